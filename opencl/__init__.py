@@ -1,0 +1,1 @@
+"""OpenCL C sources of the opencl backend (installed as ``pagedkv.opencl``)."""

@@ -1,0 +1,19 @@
+"""pagedkv: a paged KV cache for LLM inference, on the CPU or any OpenCL device.
+
+>>> import pagedkv
+>>> cache = pagedkv.PagedKVCache(num_layers, num_kv_heads, head_dim, num_pages=1024)
+>>> s = cache.add_sequence()
+>>> batch = cache.append([s], [prompt_len])
+>>> cache.store(layer, batch, k, v); out = cache.attention(layer, batch, q)
+"""
+from pagedkv.backends import available_backends
+from pagedkv.cache import Checkpoint, PagedKVCache, StepBatch
+from pagedkv.errors import (ArgumentTypeError, BackendUnavailableError, OutOfPagesError,
+                            UnknownSequenceError)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ArgumentTypeError", "BackendUnavailableError", "Checkpoint", "OutOfPagesError",
+    "PagedKVCache", "StepBatch", "UnknownSequenceError", "available_backends",
+]

@@ -1,0 +1,221 @@
+"""Host kernels over typed memoryviews: scatter, gather and paged attention.
+
+Pools are ``[num_pages, num_kv_heads, page_size, head_dim]`` arrays of float32,
+or of float16 passed as their uint16 bits (``pkv_half.h`` converts).  All
+arithmetic is float32.  Callers (``pagedkv.backends.host``) validate every
+shape and index; these loops trust them and run without the GIL.
+"""
+import numpy as np
+cimport numpy as cnp
+from cython.parallel cimport prange
+from libc.math cimport expf, INFINITY
+from libc.stdint cimport int32_t, int64_t, uint16_t
+from libc.stdlib cimport malloc, free
+
+cnp.import_array()
+
+cdef extern from "pkv_half.h" nogil:
+    float pkv_half_to_float(uint16_t bits)
+    uint16_t pkv_float_to_half(float x)
+
+ctypedef fused storage_t:
+    float
+    uint16_t
+
+
+cdef inline float load(storage_t x) noexcept nogil:
+    if storage_t is float:
+        return x
+    else:
+        return pkv_half_to_float(x)
+
+
+cdef inline storage_t convert(float x, storage_t* dummy) noexcept nogil:
+    if storage_t is float:
+        return x
+    else:
+        return pkv_float_to_half(x)
+
+
+# -- scatter / gather ---------------------------------------------------------------
+
+def scatter(storage_t[:, :, :, ::1] k_pool, storage_t[:, :, :, ::1] v_pool,
+            const int64_t[::1] slot_mapping,
+            const float[:, :, ::1] k, const float[:, :, ::1] v):
+    """Write token ``t`` of ``k``/``v`` ([T, H, D] float32) at ``slot_mapping[t]``; -1 skips."""
+    cdef Py_ssize_t t, h, d, H = k.shape[1], D = k.shape[2]
+    cdef int64_t slot, page, offset, ps = k_pool.shape[2]
+    cdef storage_t* dummy = NULL
+    for t in prange(slot_mapping.shape[0], nogil=True, schedule="static"):
+        slot = slot_mapping[t]
+        if slot < 0:
+            continue
+        page = slot // ps
+        offset = slot % ps
+        for h in range(H):
+            for d in range(D):
+                k_pool[page, h, offset, d] = convert(k[t, h, d], dummy)
+                v_pool[page, h, offset, d] = convert(v[t, h, d], dummy)
+
+
+def gather(storage_t[:, :, :, ::1] pool, const int64_t[::1] slots, float[:, :, ::1] out):
+    """``out[i]`` ([n, H, D] float32) = the token at ``slots[i]`` of ``pool``."""
+    cdef Py_ssize_t i, h, d, H = out.shape[1], D = out.shape[2]
+    cdef int64_t page, offset, ps = pool.shape[2]
+    for i in prange(slots.shape[0], nogil=True, schedule="static"):
+        page = slots[i] // ps
+        offset = slots[i] % ps
+        for h in range(H):
+            for d in range(D):
+                out[i, h, d] = load(pool[page, h, offset, d])
+
+
+# -- paged attention ----------------------------------------------------------------
+#
+# A work item is one (sequence, KV head, block of query rows, key range).  It
+# reads each K/V page of its range once for all query rows and all query heads
+# of the KV group (GQA), keeps a running max and sum per query (online
+# softmax), and leaves an unnormalised partial result.  Long key ranges are
+# split over several items so that one long sequence still fills every core
+# (split-K, as in FlashDecoding / vLLM v2); `merge_partials` combines the
+# items of a query block by log-sum-exp.
+
+cdef enum:
+    W_SEQ = 0
+    W_KV_HEAD = 1
+    W_ROW0 = 2
+    W_ROW1 = 3
+    W_KEY0 = 4
+    W_KEY1 = 5
+    W_FIELDS = 6
+
+
+cdef void attend_item(const float[:, :, ::1] q,
+                      storage_t[:, :, :, ::1] k_pool, storage_t[:, :, :, ::1] v_pool,
+                      const int32_t[::1] query_start, const int32_t[::1] seq_lens,
+                      const int32_t[::1] page_indptr, const int32_t[::1] page_indices,
+                      const int32_t* item, float scale,
+                      float* acc, float* run_max, float* run_sum, float* scores) noexcept nogil:
+    cdef int b = item[W_SEQ], h = item[W_KV_HEAD]
+    cdef int row0 = item[W_ROW0], row1 = item[W_ROW1], key0 = item[W_KEY0], key1 = item[W_KEY1]
+    cdef int D = q.shape[2], ps = k_pool.shape[2]
+    cdef int group = q.shape[1] // k_pool.shape[1]
+    cdef int nq = (row1 - row0) * group
+    # position of query row r is first_pos + r: rows are the sequence's newest tokens
+    cdef int first_pos = seq_lens[b] - (query_start[b + 1] - query_start[b]) - query_start[b]
+    cdef int qi, r, t, d, j, t0, t1, limit, page
+    cdef float s, m_new, alpha, p, total
+    cdef const float* qv
+    cdef const storage_t* kp
+    cdef const storage_t* vp
+    cdef float* out
+
+    for qi in range(nq):
+        run_max[qi] = -INFINITY
+        run_sum[qi] = 0.0
+        for d in range(D):
+            acc[qi * D + d] = 0.0
+
+    for j in range(key0 // ps, (key1 + ps - 1) // ps):
+        page = page_indices[page_indptr[b] + j]
+        t0 = max(key0, j * ps) - j * ps
+        t1 = min(key1, (j + 1) * ps) - j * ps
+        kp = &k_pool[page, h, 0, 0]
+        vp = &v_pool[page, h, 0, 0]
+        for qi in range(nq):
+            r = row0 + qi // group
+            # causal: keys at positions <= the query's own position
+            limit = min(t1, first_pos + r - j * ps + 1)
+            if limit <= t0:
+                continue
+            qv = &q[r, h * group + qi % group, 0]
+            m_new = run_max[qi]
+            for t in range(t0, limit):
+                s = 0.0
+                for d in range(D):
+                    s = s + qv[d] * load(kp[t * D + d])
+                s = s * scale
+                scores[t] = s
+                m_new = max(m_new, s)
+            alpha = expf(run_max[qi] - m_new)
+            run_max[qi] = m_new
+            out = acc + qi * D
+            total = 0.0
+            for d in range(D):
+                out[d] = out[d] * alpha
+            for t in range(t0, limit):
+                p = expf(scores[t] - m_new)
+                total = total + p
+                for d in range(D):
+                    out[d] = out[d] + p * load(vp[t * D + d])
+            run_sum[qi] = run_sum[qi] * alpha + total
+
+
+def paged_attention(const float[:, :, ::1] q,
+                    storage_t[:, :, :, ::1] k_pool, storage_t[:, :, :, ::1] v_pool,
+                    const int32_t[::1] query_start, const int32_t[::1] seq_lens,
+                    const int32_t[::1] page_indptr, const int32_t[::1] page_indices,
+                    const int32_t[:, ::1] items, const int32_t[::1] item_offsets,
+                    int max_queries_per_item, float scale, float[:, :, ::1] out):
+    """Causal paged attention of a ragged batch; see ``pagedkv.backends.host``.
+
+    Parameters
+    ----------
+    q : float32 [T, num_heads, D]
+    k_pool, v_pool : [num_pages, num_kv_heads, page_size, D], float32 or float16 bits
+    items : int32 [W, 6]
+        (seq, kv_head, row0, row1, key0, key1) per work item; the items of one
+        query block are contiguous.
+    item_offsets : int32 [M + 1]
+        Query block ``m`` owns items ``item_offsets[m]:item_offsets[m+1]``.
+    out : float32 [T, num_heads, D]
+    """
+    cdef Py_ssize_t W = items.shape[0], M = item_offsets.shape[0] - 1
+    cdef int D = q.shape[2], ps = k_pool.shape[2], nq_max = max_queries_per_item
+    acc_buf = np.empty((W, nq_max, D), dtype=np.float32)
+    max_buf = np.empty((W, nq_max), dtype=np.float32)
+    sum_buf = np.empty((W, nq_max), dtype=np.float32)
+    cdef float[:, :, ::1] acc = acc_buf
+    cdef float[:, ::1] run_max = max_buf, run_sum = sum_buf
+    cdef Py_ssize_t w, m
+    cdef float* scores
+    if W == 0:
+        return
+    with nogil:
+        for w in prange(W, schedule="dynamic"):
+            scores = <float*>malloc(ps * sizeof(float))
+            attend_item(q, k_pool, v_pool, query_start, seq_lens, page_indptr, page_indices,
+                        &items[w, 0], scale, &acc[w, 0, 0], &run_max[w, 0], &run_sum[w, 0], scores)
+            free(scores)
+        for m in prange(M, schedule="static"):
+            merge_partials(&items[0, 0], item_offsets[m], item_offsets[m + 1], q.shape[1] // k_pool.shape[1],
+                           acc, run_max, run_sum, out)
+
+
+cdef void merge_partials(const int32_t* items, int first, int last, int group,
+                         float[:, :, ::1] acc, float[:, ::1] run_max, float[:, ::1] run_sum,
+                         float[:, :, ::1] out) noexcept nogil:
+    """Combine items ``first:last`` (one query block, key ranges split) into ``out``."""
+    cdef const int32_t* item = items + first * W_FIELDS
+    cdef int h = item[W_KV_HEAD], row0 = item[W_ROW0], row1 = item[W_ROW1]
+    cdef int D = acc.shape[2], nq = (row1 - row0) * group
+    cdef int qi, w, d
+    cdef float m, total, weight
+    cdef float* dst
+    for qi in range(nq):
+        m = -INFINITY
+        for w in range(first, last):
+            m = max(m, run_max[w, qi])
+        dst = &out[row0 + qi // group, h * group + qi % group, 0]
+        for d in range(D):
+            dst[d] = 0.0
+        total = 0.0
+        if m == -INFINITY:
+            continue        # no key at all (cannot happen for a causal query); output 0
+        for w in range(first, last):
+            weight = expf(run_max[w, qi] - m)
+            total = total + run_sum[w, qi] * weight
+            for d in range(D):
+                dst[d] = dst[d] + acc[w, qi, d] * weight
+        for d in range(D):
+            dst[d] = dst[d] / total

@@ -1,0 +1,53 @@
+"""Argument checks with exact messages: name, what was expected, what was given."""
+import numbers
+
+import numpy as np
+
+from pagedkv.errors import ArgumentTypeError
+
+
+def check_int(name, value, *, minimum=None, maximum=None):
+    """``value`` as an int in ``[minimum, maximum]`` (either bound optional)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ArgumentTypeError(f"{name}: expected an int, got {type(value).__name__} {value!r}")
+    value = int(value)
+    if minimum is not None and value < minimum or maximum is not None and value > maximum:
+        lo = "-inf" if minimum is None else minimum
+        hi = "inf" if maximum is None else maximum
+        raise ValueError(f"{name}: expected an int in [{lo}, {hi}], got {value}")
+    return value
+
+
+def check_int_vector(name, value, *, length=None, minimum=None):
+    """``value`` (int or sequence of ints) as an int64 ndarray of shape [length]."""
+    arr = np.asarray(value)
+    if arr.ndim == 0 and length is not None:
+        arr = np.full(length, arr)
+    if arr.ndim != 1:
+        raise ValueError(f"{name}: expected a 1-D sequence of ints, got shape {arr.shape}")
+    if arr.size and (arr.dtype.kind not in "iu" or arr.dtype == np.bool_):
+        raise ArgumentTypeError(f"{name}: expected ints, got dtype {arr.dtype}")
+    if length is not None and len(arr) != length:
+        raise ValueError(f"{name}: expected {length} entries, got {len(arr)}")
+    if arr.size and minimum is not None and arr.min() < minimum:
+        raise ValueError(f"{name}: expected every entry >= {minimum}, got {int(arr.min())}")
+    if arr.dtype.kind == "u" and arr.size and arr.max() > np.iinfo(np.int64).max:
+        raise ValueError(f"{name}: entry {int(arr.max())} does not fit in int64")
+    return np.ascontiguousarray(arr, dtype=np.int64)
+
+
+def check_tensor(name, x, shape, *, array_types=(np.ndarray,)):
+    """Check that ``x`` is a float array of exactly ``shape``; return it unchanged.
+
+    ``shape`` entries are ints, or ``None`` for "any size".
+    """
+    if not isinstance(x, array_types):
+        kinds = " or ".join(f"{t.__module__.split('.')[0]}.{t.__name__}" for t in array_types)
+        raise ArgumentTypeError(f"{name}: expected {kinds}, got {type(x).__name__}")
+    got = tuple(x.shape)
+    if len(got) != len(shape) or any(e is not None and e != g for e, g in zip(shape, got)):
+        want = "[" + ", ".join("*" if e is None else str(e) for e in shape) + "]"
+        raise ValueError(f"{name}: expected shape {want}, got {list(got)}")
+    if np.dtype(x.dtype).kind != "f":
+        raise ArgumentTypeError(f"{name}: expected a float dtype (float16/32/64), got {x.dtype}")
+    return x

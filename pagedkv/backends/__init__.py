@@ -1,0 +1,66 @@
+"""The backend registry: names, availability, and construction.
+
+A backend owns the K/V page pools of every layer and runs the data-path
+kernels.  It knows pages, slots and tables, never sequences.  The protocol
+(``Backend`` in :mod:`pagedkv.backends.base`) is what ``PagedKVCache`` calls;
+backends are imported lazily so that a missing optional dependency (pyopencl)
+only matters to the backend that needs it.
+"""
+import importlib
+import os
+
+from pagedkv.errors import BackendUnavailableError
+
+# name -> "module:Class"; "auto" tries them in this order and takes the first usable.
+_REGISTRY = {
+    "opencl": "pagedkv.backends.opencl:OpenCLBackend",
+    "host": "pagedkv.backends.host:HostBackend",
+}
+_AUTO_ORDER = ("opencl", "host")
+
+
+def backend_class(name):
+    """The backend class registered as ``name``.
+
+    Raises
+    ------
+    ValueError
+        ``name`` is not a known backend.
+    BackendUnavailableError
+        The backend's module cannot be imported here.
+    """
+    if name not in _REGISTRY:
+        raise ValueError(f"backend: expected one of {sorted(_REGISTRY) + ['auto']}, got {name!r}")
+    module_name, class_name = _REGISTRY[name].split(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:  # pragma: no cover - depends on the install
+        raise BackendUnavailableError(f"backend {name!r} cannot be imported: {exc}") from exc
+    return getattr(module, class_name)
+
+
+def unavailable_reason(name):
+    """None if backend ``name`` can run here, else a message saying how to fix it."""
+    try:
+        return backend_class(name).unavailable_reason()
+    except BackendUnavailableError as exc:
+        return str(exc)
+
+
+def available_backends():
+    """Names of the backends usable on this machine, e.g. ``["host", "opencl"]``."""
+    return [name for name in ("host", "opencl") if unavailable_reason(name) is None]
+
+
+def resolve_backend(name):
+    """Turn ``"auto"`` (or the ``PAGEDKV_BACKEND`` override) into a concrete backend name."""
+    if name == "auto":
+        name = os.environ.get("PAGEDKV_BACKEND", "auto") or "auto"
+        if name == "auto":
+            return next(n for n in _AUTO_ORDER if unavailable_reason(n) is None)
+    if not isinstance(name, str) or name not in _REGISTRY:
+        raise ValueError(f"backend: expected one of {sorted(_REGISTRY) + ['auto']}, got {name!r}")
+    reason = unavailable_reason(name)
+    if reason is not None:
+        raise BackendUnavailableError(reason)
+    return name

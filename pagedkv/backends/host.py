@@ -1,0 +1,94 @@
+"""The host backend: numpy page pools and the Cython kernels of ``pagedkv._kernels``."""
+import os
+
+import numpy as np
+
+from pagedkv import _kernels
+from pagedkv.backends.base import Backend
+from pagedkv.backends.schedule import plan_attention
+
+# Query rows x query heads of one item: 64 query vectors of head_dim floats
+# keep the accumulator in L1/L2 while a K/V page streams past.
+_QUERIES_PER_ITEM = 64
+# Split-K parts never shorter than this many keys: below it the merge costs
+# more than the parallelism gains.
+_MIN_PART_TOKENS = 256
+
+
+def _num_threads():
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
+class HostBackend(Backend):
+    """K/V pools in host memory; kernels in Cython, GIL released, OpenMP-parallel."""
+
+    name = "host"
+
+    @classmethod
+    def unavailable_reason(cls):
+        return None
+
+    def __init__(self, *, num_layers, num_kv_heads, head_dim, num_pages, page_size,
+                 dtype, device=None):
+        if device is not None:
+            raise ValueError(f"device: the host backend takes no device, got {device!r}")
+        shape = (num_layers, num_pages, num_kv_heads, page_size, head_dim)
+        self.dtype = np.dtype(dtype)
+        # float16 pools are handed to the kernels as their uint16 bits
+        self._k = np.zeros(shape, dtype=self.dtype)
+        self._v = np.zeros(shape, dtype=self.dtype)
+        self._kernel_view = (lambda a: a.view(np.uint16)) if self.dtype == np.float16 \
+            else (lambda a: a)
+        self.num_kv_heads = num_kv_heads
+        self.page_size = page_size
+        self.num_threads = _num_threads()
+
+    @property
+    def memory_bytes(self):
+        return self._k.nbytes + self._v.nbytes
+
+    def is_native(self, array):
+        return isinstance(array, np.ndarray)
+
+    @staticmethod
+    def _host_f32(x):
+        if not isinstance(x, np.ndarray):  # e.g. a pyopencl array handed to the host backend
+            x = x.get()
+        return np.ascontiguousarray(x, dtype=np.float32)
+
+    def prepare_step(self, tables):
+        pass  # the tables are host arrays already
+
+    def copy_pages(self, src, dst):
+        self._k[:, dst] = self._k[:, src]
+        self._v[:, dst] = self._v[:, src]
+
+    def store(self, layer, tables, k, v):
+        _kernels.scatter(self._kernel_view(self._k[layer]), self._kernel_view(self._v[layer]),
+                         tables.slot_mapping, self._host_f32(k), self._host_f32(v))
+
+    def attention(self, layer, tables, q, scale):
+        q = self._host_f32(q)
+        group = q.shape[1] // self.num_kv_heads
+        rows_per_block = max(1, _QUERIES_PER_ITEM // group)
+        key = ("host_plan", group)
+        if key not in tables.cache:
+            tables.cache[key] = plan_attention(
+                tables.query_start, tables.seq_lens, num_kv_heads=self.num_kv_heads,
+                page_size=self.page_size, rows_per_block=rows_per_block,
+                target_items=4 * self.num_threads, min_part_tokens=_MIN_PART_TOKENS)
+        items, item_offsets = tables.cache[key]
+        out = np.empty_like(q)
+        _kernels.paged_attention(
+            q, self._kernel_view(self._k[layer]), self._kernel_view(self._v[layer]),
+            tables.query_start, tables.seq_lens, tables.page_indptr, tables.page_indices,
+            items, item_offsets, rows_per_block * group, float(scale), out)
+        return out
+
+    def gather(self, layer, slots):
+        shape = (len(slots), self._k.shape[2], self._k.shape[4])
+        k = np.empty(shape, dtype=np.float32)
+        v = np.empty(shape, dtype=np.float32)
+        _kernels.gather(self._kernel_view(self._k[layer]), slots, k)
+        _kernels.gather(self._kernel_view(self._v[layer]), slots, v)
+        return k, v

@@ -1,0 +1,363 @@
+"""``PagedKVCache``: the facade an inference engine uses.
+
+It owns the page allocator and the page tables (sequences, lengths, sharing)
+and one backend (the page pools and kernels), validates every argument, and
+keeps the two in step.  A typical engine step::
+
+    batch = cache.append(seq_ids, num_new_tokens)
+    for layer in range(num_layers):
+        cache.store(layer, batch, k, v)
+        out = cache.attention(layer, batch, q)
+"""
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from pagedkv._allocator import PageAllocator
+from pagedkv._page_table import PageTables
+from pagedkv._validate import check_int, check_int_vector, check_tensor
+from pagedkv.backends import backend_class, resolve_backend
+from pagedkv.backends.base import StepTables
+from pagedkv.errors import ArgumentTypeError
+
+_DTYPES = {"float32": np.float32, "float16": np.float16}
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A sequence's length at some moment; ``restore`` rolls back to it.
+
+    It keeps no pages alive: tokens past ``seq_len`` may be released meanwhile.
+    """
+    seq_id: int
+    seq_len: int
+
+
+class StepBatch:
+    """The slots and page tables of one ``append`` step (all host numpy arrays).
+
+    Attributes
+    ----------
+    seq_ids : ndarray, shape [B], int64
+        The sequences, in the order given to ``append``.
+    query_start : ndarray, shape [B+1], int32
+        New tokens of sequence ``b`` are rows ``query_start[b]:query_start[b+1]``.
+    seq_lens : ndarray, shape [B], int32
+        Lengths after this step.
+    slot_mapping : ndarray, shape [total_new], int64
+        ``page * page_size + offset`` of each new token.
+    page_indptr : ndarray, shape [B+1], int32
+    page_indices : ndarray, shape [nnz], int32
+    last_page_len : ndarray, shape [B], int32
+        CSR page table (FlashInfer / TVM layout).
+    block_table : ndarray, shape [B, max_pages], int32
+        Padded page table (vLLM layout), ``-1`` past each sequence's pages.
+
+    A batch is valid until the cache's pages next change (``append``,
+    ``truncate``, ``restore``, ``free``, ``clear``): store every layer of a
+    step before the next of those calls.
+    """
+
+    def __init__(self, cache, generation, seq_ids, t):
+        self.seq_ids = seq_ids
+        self.query_start = t["query_start"]
+        self.seq_lens = t["seq_lens"]
+        self.slot_mapping = t["slot_mapping"]
+        self.page_indptr = t["page_indptr"]
+        self.page_indices = t["page_indices"]
+        self.last_page_len = t["last_page_len"]
+        self.block_table = t["block_table"]
+        self._cache = cache
+        self._generation = generation
+        self._stored_layers = set()
+        self._tables = StepTables(self.query_start, self.seq_lens, self.slot_mapping,
+                                  self.page_indptr, self.page_indices)
+
+    @property
+    def num_seqs(self):
+        """B, the sequences in the step."""
+        return len(self.seq_ids)
+
+    @property
+    def num_tokens(self):
+        """total_new, the new tokens of the step."""
+        return len(self.slot_mapping)
+
+    def __repr__(self):
+        return f"StepBatch(num_seqs={self.num_seqs}, num_tokens={self.num_tokens})"
+
+
+class PagedKVCache:
+    """A paged KV cache for ``num_layers`` layers of ``num_kv_heads`` x ``head_dim``.
+
+    Parameters
+    ----------
+    num_layers, num_kv_heads, head_dim : int
+        Model shape; the K and V pools of each layer are
+        ``[num_pages, num_kv_heads, page_size, head_dim]``.
+    num_pages : int
+        Pages in the pool, shared by every sequence.
+    page_size : int, default 16
+        Tokens per page.
+    dtype : {"float32", "float16"}
+        Storage dtype; arithmetic is float32 either way.
+    max_seq_len : int, optional
+        Cap on any sequence's length; ``append`` past it is a ``ValueError``.
+    backend : {"auto", "host", "opencl"}
+        ``"auto"`` takes ``$PAGEDKV_BACKEND`` if set, else opencl when a device
+        is usable, else host.
+    device : optional
+        opencl only: a pyopencl ``Device`` or ``Context``, or a ``"P:D"`` string.
+    """
+
+    def __init__(self, num_layers, num_kv_heads, head_dim, *, num_pages, page_size=16,
+                 dtype="float32", max_seq_len=None, backend="auto", device=None):
+        self.num_layers = check_int("num_layers", num_layers, minimum=1)
+        self.num_kv_heads = check_int("num_kv_heads", num_kv_heads, minimum=1)
+        self.head_dim = check_int("head_dim", head_dim, minimum=1)
+        num_pages = check_int("num_pages", num_pages, minimum=1, maximum=2**31 - 1)
+        self.page_size = check_int("page_size", page_size, minimum=1, maximum=2**20)
+        if num_pages * self.page_size > 2**62:
+            raise ValueError(f"num_pages * page_size: expected <= 2**62 slots, got "
+                             f"{num_pages * self.page_size}")
+        self.dtype = self._check_dtype(dtype)
+        self.max_seq_len = None if max_seq_len is None else \
+            check_int("max_seq_len", max_seq_len, minimum=1, maximum=2**31 - 1)
+        if not isinstance(backend, str):
+            raise ArgumentTypeError(f"backend: expected a str, got {type(backend).__name__}")
+        self.backend = resolve_backend(backend)
+        self._backend = backend_class(self.backend)(
+            num_layers=self.num_layers, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+            num_pages=num_pages, page_size=self.page_size, dtype=self.dtype, device=device)
+        self._allocator = PageAllocator(num_pages)
+        self._tables = PageTables(self._allocator, self.page_size)
+        self._generation = 0
+
+    @staticmethod
+    def _check_dtype(dtype):
+        try:
+            name = np.dtype(dtype).name
+        except TypeError:
+            name = None
+        if name not in _DTYPES:
+            raise ValueError(f"dtype: expected 'float32' or 'float16', got {dtype!r}")
+        return np.dtype(_DTYPES[name])
+
+    # -- pool ----------------------------------------------------------------------
+    @property
+    def num_pages(self):
+        """Pages in the pool."""
+        return self._allocator.num_pages
+
+    @property
+    def num_free_pages(self):
+        """Pages an ``append`` can take now."""
+        return self._allocator.num_free
+
+    @property
+    def memory_bytes(self):
+        """Bytes of K/V page storage (all layers, K and V)."""
+        return self._backend.memory_bytes
+
+    def page_count(self, seq_id):
+        """Pages the sequence holds (shared ones included)."""
+        return len(self._tables.pages(seq_id))
+
+    def token_capacity(self, seq_id):
+        """Tokens the sequence's pages can hold: ``page_count * page_size``."""
+        return self.page_count(seq_id) * self.page_size
+
+    def page_ids(self, seq_id):
+        """The sequence's page ids in order; ndarray, shape [page_count], int32."""
+        return self._tables.pages(seq_id)
+
+    def refcount(self, page_id):
+        """How many sequences hold page ``page_id`` (0 = free)."""
+        page_id = check_int("page_id", page_id, minimum=0, maximum=self.num_pages - 1)
+        return self._allocator.refcount(page_id)
+
+    # -- sequences -------------------------------------------------------------
+    def add_sequence(self):
+        """Create an empty sequence; return its id (ids are never reused)."""
+        return self._tables.add()
+
+    def fork(self, seq_id):
+        """A new sequence sharing every page of ``seq_id``; copies happen on divergent writes."""
+        return self._tables.fork(seq_id)
+
+    def free(self, seq_id):
+        """Drop the sequence; its pages return to the pool once no sequence uses them."""
+        self._tables.free(seq_id)
+        self._generation += 1
+
+    def seq_len(self, seq_id):
+        """Tokens stored in the sequence."""
+        return self._tables.seq_len(seq_id)
+
+    def seq_ids(self):
+        """Ids of the live sequences, ascending."""
+        return self._tables.ids()
+
+    def truncate(self, seq_id, new_len):
+        """Roll the sequence back to its first ``new_len`` tokens; pages past them are released."""
+        length = self.seq_len(seq_id)
+        new_len = check_int("new_len", new_len, minimum=0, maximum=length)
+        self._tables.truncate(seq_id, new_len)
+        self._generation += 1
+
+    def checkpoint(self, seq_id):
+        """Record the sequence's length for a later ``restore`` (keeps no pages alive)."""
+        return Checkpoint(int(seq_id), self.seq_len(seq_id))
+
+    def restore(self, checkpoint):
+        """Truncate the checkpoint's sequence back to the checkpointed length.
+
+        Raises
+        ------
+        UnknownSequenceError
+            The sequence was freed.
+        ValueError
+            The sequence is now shorter than the checkpoint (truncated below it).
+        """
+        if not isinstance(checkpoint, Checkpoint):
+            raise ArgumentTypeError(
+                f"checkpoint: expected a Checkpoint from cache.checkpoint(), "
+                f"got {type(checkpoint).__name__}")
+        length = self.seq_len(checkpoint.seq_id)
+        if checkpoint.seq_len > length:
+            raise ValueError(
+                f"checkpoint: sequence {checkpoint.seq_id} has {length} tokens, fewer than the "
+                f"checkpoint's {checkpoint.seq_len}; it was truncated below the checkpoint")
+        self.truncate(checkpoint.seq_id, checkpoint.seq_len)
+
+    def clear(self):
+        """Free every sequence."""
+        self._tables.clear()
+        self._generation += 1
+
+    # -- one step ------------------------------------------------------------------
+    def append(self, seq_ids, num_new_tokens):
+        """Reserve slots for this step's new tokens; all or nothing.
+
+        Parameters
+        ----------
+        seq_ids : sequence of int, shape [B]
+            Distinct live sequences.
+        num_new_tokens : int or sequence of int, shape [B]
+            New tokens per sequence (an int applies to all).
+
+        Returns
+        -------
+        StepBatch
+            Slots and page tables for ``store`` and ``attention``.
+
+        Raises
+        ------
+        OutOfPagesError
+            Not enough free pages; nothing changed.
+        """
+        ids = check_int_vector("seq_ids", seq_ids)
+        counts = check_int_vector("num_new_tokens", num_new_tokens, length=len(ids), minimum=0)
+        t = self._tables.append(ids, counts, self.max_seq_len)
+        self._generation += 1
+        if len(t["copy_src"]):
+            self._backend.copy_pages(t["copy_src"], t["copy_dst"])
+        batch = StepBatch(self, self._generation, ids, t)
+        self._backend.prepare_step(batch._tables)
+        return batch
+
+    def _check_step(self, layer, batch):
+        layer = check_int("layer", layer, minimum=0, maximum=self.num_layers - 1)
+        if not isinstance(batch, StepBatch) or batch._cache is not self:
+            raise ArgumentTypeError(f"batch: expected a StepBatch from this cache's append(), "
+                                    f"got {type(batch).__name__}")
+        if batch._generation != self._generation:
+            raise ValueError("batch: stale; the cache's pages changed since this append() "
+                             "(append, truncate, restore, free or clear); append again")
+        return layer
+
+    def _array_types(self):
+        return (np.ndarray,) + getattr(self._backend, "array_types", ())
+
+    def store(self, layer, batch, k, v):
+        """Write the step's new K and V of one layer into their slots.
+
+        Parameters
+        ----------
+        layer : int
+        batch : StepBatch
+        k, v : ndarray or backend array, shape [total_new, num_kv_heads, head_dim], float
+            Rounded to the storage dtype.
+        """
+        layer = self._check_step(layer, batch)
+        shape = (batch.num_tokens, self.num_kv_heads, self.head_dim)
+        check_tensor("k", k, shape, array_types=self._array_types())
+        check_tensor("v", v, shape, array_types=self._array_types())
+        self._backend.store(layer, batch._tables, k, v)
+        batch._stored_layers.add(layer)
+
+    def attention(self, layer, batch, q, *, scale=None):
+        """Causal attention of the step's new tokens over their sequences' stored K/V.
+
+        Parameters
+        ----------
+        layer : int
+        batch : StepBatch
+            ``store(layer, batch, ...)`` must have run first.
+        q : ndarray or backend array, shape [total_new, num_heads, head_dim], float
+            ``num_heads`` a multiple of ``num_kv_heads`` (GQA/MQA).
+        scale : float, default ``1/sqrt(head_dim)``
+
+        Returns
+        -------
+        out : shape [total_new, num_heads, head_dim], float32, the same kind of array as ``q``.
+            New token ``i`` of sequence ``b`` (position ``seq_lens[b] - n_b + i``)
+            attends to every position of ``b`` up to its own.
+        """
+        layer = self._check_step(layer, batch)
+        check_tensor("q", q, (batch.num_tokens, None, self.head_dim),
+                     array_types=self._array_types())
+        num_heads = q.shape[1]
+        if num_heads == 0 or num_heads % self.num_kv_heads:
+            raise ValueError(f"q: expected num_heads a positive multiple of num_kv_heads="
+                             f"{self.num_kv_heads}, got {num_heads}")
+        if scale is None:
+            scale = 1.0 / math.sqrt(self.head_dim)
+        elif isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating)) \
+                or not math.isfinite(scale) or scale <= 0:
+            raise ValueError(f"scale: expected a positive finite float, got {scale!r}")
+        if layer not in batch._stored_layers and batch.num_tokens:
+            raise ValueError(f"layer: K/V of layer {layer} were not stored for this step; "
+                             f"call store({layer}, batch, k, v) first")
+        return self._backend.attention(layer, batch._tables, q, float(scale))
+
+    # -- reading back ----------------------------------------------------------------
+    def gather(self, layer, seq_id):
+        """The sequence's K and V of one layer, contiguous.
+
+        Returns
+        -------
+        k, v : ndarray, shape [seq_len, num_kv_heads, head_dim], float32
+        """
+        layer = check_int("layer", layer, minimum=0, maximum=self.num_layers - 1)
+        slots = self._tables.slots(seq_id, 0, self.seq_len(seq_id))
+        return self._backend.gather(layer, slots)
+
+    def read_token(self, layer, seq_id, pos):
+        """K and V of one token.
+
+        Returns
+        -------
+        k, v : ndarray, shape [num_kv_heads, head_dim], float32
+        """
+        layer = check_int("layer", layer, minimum=0, maximum=self.num_layers - 1)
+        length = self.seq_len(seq_id)
+        pos = check_int("pos", pos, minimum=0, maximum=length - 1)
+        k, v = self._backend.gather(layer, self._tables.slots(seq_id, pos, pos + 1))
+        return k[0], v[0]
+
+    def __repr__(self):
+        return (f"PagedKVCache(num_layers={self.num_layers}, num_kv_heads={self.num_kv_heads}, "
+                f"head_dim={self.head_dim}, num_pages={self.num_pages}, "
+                f"page_size={self.page_size}, dtype={self.dtype.name!r}, backend={self.backend!r})")
