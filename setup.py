@@ -43,6 +43,8 @@ if sys.platform != "win32":
                      "-fno-signed-zeros"]
     if not PORTABLE and _compiler_accepts(["-march=native"]):
         compile_args.append("-march=native")
+    if _compiler_accepts(["-fopenmp-simd"]):
+        compile_args.append("-fopenmp-simd")
     if _compiler_accepts(["-fopenmp"]):
         compile_args.append("-fopenmp")
         link_args.append("-fopenmp")

@@ -7,16 +7,21 @@ shape and index; these loops trust them and run without the GIL.
 """
 import numpy as np
 cimport numpy as cnp
-from cython.parallel cimport prange
+from cython.parallel cimport prange, threadid
 from libc.math cimport expf, INFINITY
 from libc.stdint cimport int32_t, int64_t, uint16_t
-from libc.stdlib cimport malloc, free
 
 cnp.import_array()
 
 cdef extern from "pkv_half.h" nogil:
     float pkv_half_to_float(uint16_t bits)
     uint16_t pkv_float_to_half(float x)
+
+cdef extern from "pkv_simd.h" nogil:
+    void pkv_halves_to_floats(const uint16_t* src, float* dst, int n)
+    void pkv_scores(const float* q, int nq, const float* k, int nt, int n, float* scores, int ld)
+    void pkv_rescale_accumulate(float* y, float alpha, const float* p, const float* x, int nt, int n)
+    void pkv_prefetch(const void* p, long nbytes)
 
 ctypedef fused storage_t:
     float
@@ -28,6 +33,15 @@ cdef inline float load(storage_t x) noexcept nogil:
         return x
     else:
         return pkv_half_to_float(x)
+
+
+cdef inline const float* as_floats(const storage_t* rows, int n, float* scratch) noexcept nogil:
+    """``rows[0:n]`` as float32: the pool itself for float32, else converted into ``scratch``."""
+    if storage_t is float:
+        return rows
+    else:
+        pkv_halves_to_floats(rows, scratch, n)
+        return scratch
 
 
 cdef inline storage_t convert(float x, storage_t* dummy) noexcept nogil:
@@ -81,6 +95,9 @@ def gather(storage_t[:, :, :, ::1] pool, const int64_t[::1] slots, float[:, :, :
 # items of a query block by log-sum-exp.
 
 cdef enum:
+    _PREFETCH_PAGES = 2
+
+cdef enum:
     W_SEQ = 0
     W_KV_HEAD = 1
     W_ROW0 = 2
@@ -95,7 +112,11 @@ cdef void attend_item(const float[:, :, ::1] q,
                       const int32_t[::1] query_start, const int32_t[::1] seq_lens,
                       const int32_t[::1] page_indptr, const int32_t[::1] page_indices,
                       const int32_t* item, float scale,
-                      float* acc, float* run_max, float* run_sum, float* scores) noexcept nogil:
+                      float* acc, float* run_max, float* run_sum, float* scratch) noexcept nogil:
+    """One work item: leaves unnormalised ``acc`` [nq, D], ``run_max``, ``run_sum`` [nq].
+
+    ``scratch`` holds nq*D + nq*page_size + 2*page_size*D floats.
+    """
     cdef int b = item[W_SEQ], h = item[W_KV_HEAD]
     cdef int row0 = item[W_ROW0], row1 = item[W_ROW1], key0 = item[W_KEY0], key1 = item[W_KEY1]
     cdef int D = q.shape[2], ps = k_pool.shape[2]
@@ -103,52 +124,57 @@ cdef void attend_item(const float[:, :, ::1] q,
     cdef int nq = (row1 - row0) * group
     # position of query row r is first_pos + r: rows are the sequence's newest tokens
     cdef int first_pos = seq_lens[b] - (query_start[b + 1] - query_start[b]) - query_start[b]
-    cdef int qi, r, t, d, j, t0, t1, limit, page
-    cdef float s, m_new, alpha, p, total
+    cdef int qi, d, t, j, t0, t1, nt, limit, page, next_page
+    cdef int last_page = (key1 + ps - 1) // ps
+    cdef float m_new, alpha, total
+    cdef float* queries = scratch                   # [nq, D], pre-scaled
+    cdef float* scores = queries + nq * D           # [nq, ps]
+    cdef float* k_scratch = scores + nq * ps        # [ps, D] (float16 pools only)
+    cdef float* v_scratch = k_scratch + ps * D
+    cdef const float* keys
+    cdef const float* values
     cdef const float* qv
-    cdef const storage_t* kp
-    cdef const storage_t* vp
-    cdef float* out
+    cdef float* s
 
     for qi in range(nq):
         run_max[qi] = -INFINITY
         run_sum[qi] = 0.0
+        qv = &q[row0 + qi // group, h * group + qi % group, 0]
         for d in range(D):
             acc[qi * D + d] = 0.0
+            queries[qi * D + d] = qv[d] * scale
 
-    for j in range(key0 // ps, (key1 + ps - 1) // ps):
+    for j in range(key0 // ps, last_page):
+        # pages are scattered, so the hardware prefetcher loses the stream at
+        # every page: ask for a later page while this one computes
+        if j + _PREFETCH_PAGES < last_page:
+            next_page = page_indices[page_indptr[b] + j + _PREFETCH_PAGES]
+            pkv_prefetch(&k_pool[next_page, h, 0, 0], ps * D * sizeof(storage_t))
+            pkv_prefetch(&v_pool[next_page, h, 0, 0], ps * D * sizeof(storage_t))
         page = page_indices[page_indptr[b] + j]
         t0 = max(key0, j * ps) - j * ps
         t1 = min(key1, (j + 1) * ps) - j * ps
-        kp = &k_pool[page, h, 0, 0]
-        vp = &v_pool[page, h, 0, 0]
+        nt = t1 - t0
+        keys = as_floats(&k_pool[page, h, t0, 0], nt * D, k_scratch)
+        values = as_floats(&v_pool[page, h, t0, 0], nt * D, v_scratch)
+        pkv_scores(queries, nq, keys, nt, D, scores, ps)
         for qi in range(nq):
-            r = row0 + qi // group
             # causal: keys at positions <= the query's own position
-            limit = min(t1, first_pos + r - j * ps + 1)
-            if limit <= t0:
+            limit = min(nt, first_pos + row0 + qi // group - j * ps - t0 + 1)
+            if limit <= 0:
                 continue
-            qv = &q[r, h * group + qi % group, 0]
+            s = scores + qi * ps
             m_new = run_max[qi]
-            for t in range(t0, limit):
-                s = 0.0
-                for d in range(D):
-                    s = s + qv[d] * load(kp[t * D + d])
-                s = s * scale
-                scores[t] = s
-                m_new = max(m_new, s)
+            for t in range(limit):
+                m_new = max(m_new, s[t])
+            total = 0.0
+            for t in range(limit):
+                s[t] = expf(s[t] - m_new)
+                total = total + s[t]
             alpha = expf(run_max[qi] - m_new)
             run_max[qi] = m_new
-            out = acc + qi * D
-            total = 0.0
-            for d in range(D):
-                out[d] = out[d] * alpha
-            for t in range(t0, limit):
-                p = expf(scores[t] - m_new)
-                total = total + p
-                for d in range(D):
-                    out[d] = out[d] + p * load(vp[t * D + d])
             run_sum[qi] = run_sum[qi] * alpha + total
+            pkv_rescale_accumulate(acc + qi * D, alpha, s, values, limit, D)
 
 
 def paged_attention(const float[:, :, ::1] q,
@@ -156,7 +182,8 @@ def paged_attention(const float[:, :, ::1] q,
                     const int32_t[::1] query_start, const int32_t[::1] seq_lens,
                     const int32_t[::1] page_indptr, const int32_t[::1] page_indices,
                     const int32_t[:, ::1] items, const int32_t[::1] item_offsets,
-                    int max_queries_per_item, float scale, float[:, :, ::1] out):
+                    int max_queries_per_item, float scale, float[:, :, ::1] out,
+                    int num_threads):
     """Causal paged attention of a ragged batch; see ``pagedkv.backends.host``.
 
     Parameters
@@ -169,6 +196,8 @@ def paged_attention(const float[:, :, ::1] q,
     item_offsets : int32 [M + 1]
         Query block ``m`` owns items ``item_offsets[m]:item_offsets[m+1]``.
     out : float32 [T, num_heads, D]
+    num_threads : int
+        OpenMP threads (ignored in a build without OpenMP).
     """
     cdef Py_ssize_t W = items.shape[0], M = item_offsets.shape[0] - 1
     cdef int D = q.shape[2], ps = k_pool.shape[2], nq_max = max_queries_per_item
@@ -177,17 +206,18 @@ def paged_attention(const float[:, :, ::1] q,
     sum_buf = np.empty((W, nq_max), dtype=np.float32)
     cdef float[:, :, ::1] acc = acc_buf
     cdef float[:, ::1] run_max = max_buf, run_sum = sum_buf
+    # one scratch row per thread: queries, scores and converted float16 pages
+    scratch_buf = np.empty((num_threads, nq_max * D + nq_max * ps + 2 * ps * D), dtype=np.float32)
+    cdef float[:, ::1] scratch = scratch_buf
     cdef Py_ssize_t w, m
-    cdef float* scores
     if W == 0:
         return
     with nogil:
-        for w in prange(W, schedule="dynamic"):
-            scores = <float*>malloc(ps * sizeof(float))
+        for w in prange(W, schedule="dynamic", num_threads=num_threads):
             attend_item(q, k_pool, v_pool, query_start, seq_lens, page_indptr, page_indices,
-                        &items[w, 0], scale, &acc[w, 0, 0], &run_max[w, 0], &run_sum[w, 0], scores)
-            free(scores)
-        for m in prange(M, schedule="static"):
+                        &items[w, 0], scale, &acc[w, 0, 0], &run_max[w, 0], &run_sum[w, 0],
+                        &scratch[threadid(), 0])
+        for m in prange(M, schedule="static", num_threads=num_threads):
             merge_partials(&items[0, 0], item_offsets[m], item_offsets[m + 1], q.shape[1] // k_pool.shape[1],
                            acc, run_max, run_sum, out)
 

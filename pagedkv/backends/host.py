@@ -73,16 +73,18 @@ class HostBackend(Backend):
         rows_per_block = max(1, _QUERIES_PER_ITEM // group)
         key = ("host_plan", group)
         if key not in tables.cache:
-            tables.cache[key] = plan_attention(
+            items, item_offsets = plan_attention(
                 tables.query_start, tables.seq_lens, num_kv_heads=self.num_kv_heads,
                 page_size=self.page_size, rows_per_block=rows_per_block,
                 target_items=4 * self.num_threads, min_part_tokens=_MIN_PART_TOKENS)
-        items, item_offsets = tables.cache[key]
+            rows = items[:, 3] - items[:, 2]
+            tables.cache[key] = items, item_offsets, int(rows.max(initial=0)) * group
+        items, item_offsets, max_queries = tables.cache[key]
         out = np.empty_like(q)
         _kernels.paged_attention(
             q, self._kernel_view(self._k[layer]), self._kernel_view(self._v[layer]),
             tables.query_start, tables.seq_lens, tables.page_indptr, tables.page_indices,
-            items, item_offsets, rows_per_block * group, float(scale), out)
+            items, item_offsets, max_queries, float(scale), out, self.num_threads)
         return out
 
     def gather(self, layer, slots):

@@ -1,0 +1,175 @@
+"""Paged attention speed: decode and prefill, against bandwidth and contiguous baselines.
+
+Decode case: 32 sequences x 2,048 tokens, 8 KV heads, 32 query heads,
+head_dim 128, page size 16.  Decode attention reads every K and V byte once,
+so its speed is reported as KV bytes / time, next to this machine's streaming
+read bandwidth measured by the same run, and next to the same attention on
+contiguous arrays with NumPy (and torch, when installed).
+
+    python benchmarks/bench_attention.py [--backends host,opencl] [--quick]
+"""
+import argparse
+import math
+import sys
+
+import numpy as np
+
+import pagedkv
+from _common import best_seconds, fmt_table, read_bandwidth
+
+try:
+    import torch
+except ImportError:  # torch is optional: its rows are left out
+    torch = None
+
+
+def fill_cache(backend, dtype, num_seqs, seq_len, num_kv_heads, head_dim, page_size, rng):
+    """A cache holding ``num_seqs`` sequences of random K/V; returns (cache, K, V) with the
+    contiguous copies K, V of shape [num_seqs, num_kv_heads, seq_len, head_dim]."""
+    pages = num_seqs * -(-(seq_len + 1) // page_size)
+    cache = pagedkv.PagedKVCache(1, num_kv_heads, head_dim, num_pages=pages,
+                                 page_size=page_size, dtype=dtype, backend=backend)
+    seqs = [cache.add_sequence() for _ in range(num_seqs)]
+    k = rng.standard_normal((num_seqs, seq_len, num_kv_heads, head_dim), dtype=np.float32)
+    v = rng.standard_normal((num_seqs, seq_len, num_kv_heads, head_dim), dtype=np.float32)
+    batch = cache.append(seqs, seq_len)
+    cache.store(0, batch, k.reshape(-1, num_kv_heads, head_dim), v.reshape(-1, num_kv_heads, head_dim))
+    return cache, seqs, k.transpose(0, 2, 1, 3).copy(), v.transpose(0, 2, 1, 3).copy()
+
+
+def numpy_decode(q, k, v, scale):
+    """Contiguous decode attention. q [B, Hq, D]; k, v [B, Hkv, L, D] -> [B, Hq, D]."""
+    b, hq, d = q.shape
+    hkv = k.shape[1]
+    qg = q.reshape(b, hkv, hq // hkv, d)
+    s = np.matmul(qg, k.transpose(0, 1, 3, 2)) * scale          # [B, Hkv, G, L]
+    s -= s.max(axis=-1, keepdims=True)
+    np.exp(s, out=s)
+    s /= s.sum(axis=-1, keepdims=True)
+    return np.matmul(s, v).reshape(b, hq, d)
+
+
+def torch_sdpa(q, k, v, causal):
+    """torch scaled_dot_product_attention on contiguous tensors [B, H, L, D] (GQA by repeat)."""
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
+    with torch.no_grad():
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+
+def decode_rows(backend, args, rng, bandwidth):
+    B, L, hkv, hq, d, ps = args.num_seqs, args.seq_len, 8, 32, 128, 16
+    rows, times = [], {}
+    kv_bytes32 = 2 * B * L * hkv * d * 4
+    for dtype in ("float32", "float16"):
+        cache, seqs, K, V = fill_cache(backend, dtype, B, L - 1, hkv, d, ps, rng)
+        q = rng.standard_normal((B, hq, d), dtype=np.float32)
+        k1 = rng.standard_normal((B, hkv, d), dtype=np.float32)
+
+        def step():
+            # one decode step: the last token's K/V joins, then attention reads all L
+            batch = cache.append(seqs, 1)
+            cache.store(0, batch, k1, k1)
+            out = cache.attention(0, batch, q)
+            for s in seqs:
+                cache.truncate(s, L - 1)
+            return out
+
+        t = best_seconds(step, repeat=args.repeat)
+        kv_bytes = kv_bytes32 // (2 if dtype == "float16" else 1)
+        times[dtype] = t
+        rows.append([f"{backend} paged, {dtype}", f"{t * 1e3:.2f}", f"{kv_bytes / t / 1e9:.2f}",
+                     f"{kv_bytes / t / bandwidth:.2f}"])
+        kernel_s = getattr(cache._backend, "last_attention_kernel_seconds", None)
+        if kernel_s:
+            step()
+            kernel_s = cache._backend.last_attention_kernel_seconds
+            rows.append([f"  {backend} kernels only (profiling events)", f"{kernel_s * 1e3:.2f}",
+                         f"{kv_bytes / kernel_s / 1e9:.2f}", f"{kv_bytes / kernel_s / bandwidth:.2f}"])
+        del cache
+    return rows, times, (K, V)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--backends", default=",".join(pagedkv.available_backends()))
+    parser.add_argument("--num-seqs", type=int, default=32)
+    parser.add_argument("--seq-len", type=int, default=2048)
+    parser.add_argument("--prefill-len", type=int, default=2048)
+    parser.add_argument("--repeat", type=int, default=7)
+    parser.add_argument("--quick", action="store_true", help="a small case, for a smoke run")
+    args = parser.parse_args()
+    if args.quick:
+        args.num_seqs, args.seq_len, args.prefill_len, args.repeat = 4, 512, 256, 2
+    rng = np.random.default_rng(0)
+    backends = [b for b in args.backends.split(",") if b]
+
+    bandwidth = read_bandwidth(repeat=args.repeat)
+    B, L, hkv, hq, d = args.num_seqs, args.seq_len, 8, 32, 128
+    kv_bytes = 2 * B * L * hkv * d * 4
+    print(f"# decode: {B} seqs x {L} tokens, {hkv} KV heads, {hq} query heads, head_dim {d}, "
+          f"page 16 (K+V {kv_bytes / 2**20:.0f} MiB in float32)")
+    print(f"machine streaming read bandwidth: {bandwidth / 1e9:.2f} GB/s\n")
+
+    header = ["decode attention", "ms", "KV GB/s", "x read bandwidth"]
+    rows, contiguous = [], None
+    f16_ratio = {}
+    for backend in backends:
+        r, times, contiguous = decode_rows(backend, args, rng, bandwidth)
+        rows += r
+        f16_ratio[backend] = times["float16"] / times["float32"]
+    K, V = contiguous
+    q = rng.standard_normal((B, hq, d), dtype=np.float32)
+    scale = 1 / math.sqrt(d)
+    t = best_seconds(lambda: numpy_decode(q, K, V, scale), repeat=args.repeat)
+    rows.append(["numpy contiguous, float32", f"{t * 1e3:.2f}", f"{kv_bytes / t / 1e9:.2f}",
+                 f"{kv_bytes / t / bandwidth:.2f}"])
+    numpy_t = t
+    if torch is not None:
+        tq, tk, tv = (torch.from_numpy(x) for x in (q[:, :, None, :], K, V))
+        t = best_seconds(lambda: torch_sdpa(tq, tk, tv, False), repeat=args.repeat)
+        rows.append([f"torch {torch.__version__} SDPA contiguous", f"{t * 1e3:.2f}",
+                     f"{kv_bytes / t / 1e9:.2f}", f"{kv_bytes / t / bandwidth:.2f}"])
+    del K, V, contiguous
+    print(fmt_table(header, rows))
+    for backend, ratio in f16_ratio.items():
+        print(f"{backend}: float16 storage takes {ratio:.2f}x the time of float32")
+    host_t = next((float(r[1]) / 1e3 for r in rows if r[0] == "host paged, float32"), None)
+    if host_t:
+        print(f"host paged decode vs numpy contiguous: {numpy_t / host_t:.1f}x faster")
+
+    # prefill: one causal sequence, against contiguous torch SDPA / numpy
+    n = args.prefill_len
+    print(f"\n# prefill: one sequence of {n} tokens, causal, {hkv} KV heads, {hq} query heads, "
+          f"head_dim {d}")
+    q = rng.standard_normal((n, hq, d), dtype=np.float32)
+    k = rng.standard_normal((n, hkv, d), dtype=np.float32)
+    flops = 4 * n * n / 2 * hq * d                      # QK^T and PV, causal half
+    rows = []
+    for backend in backends:
+        cache = pagedkv.PagedKVCache(1, hkv, d, num_pages=-(-n // 16), backend=backend)
+        s = cache.add_sequence()
+
+        def prefill():
+            batch = cache.append([s], n)
+            cache.store(0, batch, k, k)
+            out = cache.attention(0, batch, q)
+            cache.truncate(s, 0)
+            return out
+
+        t = best_seconds(prefill, repeat=max(2, args.repeat // 2), warmup=1)
+        rows.append([f"{backend} paged", f"{t * 1e3:.1f}", f"{flops / t / 1e9:.1f}"])
+    if torch is not None:
+        tq = torch.from_numpy(q.transpose(1, 0, 2).copy())[None]
+        tk = torch.from_numpy(k.transpose(1, 0, 2).copy())[None]
+        t = best_seconds(lambda: torch_sdpa(tq, tk, tk, True), repeat=max(2, args.repeat // 2))
+        rows.append([f"torch {torch.__version__} SDPA contiguous", f"{t * 1e3:.1f}",
+                     f"{flops / t / 1e9:.1f}"])
+    print(fmt_table(["prefill attention", "ms", "GFLOP/s"], rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
