@@ -196,6 +196,9 @@ cdef class PageTables:
         cdef int64_t cap = -1 if max_seq_len is None else max_seq_len
         cdef vector[PkvSequence*] batch
         cdef unordered_set[int64_t] seen
+        # copies this step will make per shared page: the last writer of a
+        # page shared only within the step keeps it instead of copying
+        cdef unordered_map[int32_t, int32_t] copies_of
         cdef PkvSequence* seq
         cdef int64_t needed = 0, new_len, total_new = 0, nnz = 0, num_copies = 0, max_pages = 0
         cdef bint cow
@@ -214,7 +217,9 @@ cdef class PageTables:
                 raise ValueError(f"num_new_tokens: sequence {ids[b]} would reach {new_len} tokens, "
                                  f"over the int32 limit of the tables")
             cow = counts[b] > 0 and seq.length % ps != 0 and \
-                self.allocator.refcount_of(seq.pages.back()) > 1
+                self.allocator.refcount_of(seq.pages.back()) - copies_of[seq.pages.back()] > 1
+            if cow:
+                copies_of[seq.pages.back()] += 1
             needed += pages_for(new_len, ps) - <int64_t>seq.pages.size() + cow
             num_copies += cow
             total_new += counts[b]

@@ -35,6 +35,8 @@ def dense_attention(q, k, v, positions, scale=None):
     k = np.asarray(k, dtype=np.float64)
     v = np.asarray(v, dtype=np.float64)
     n, num_heads, head_dim = q.shape
+    if n == 0:
+        return np.zeros(q.shape)
     group = num_heads // k.shape[1]
     scale = 1.0 / np.sqrt(head_dim) if scale is None else scale
     k = np.repeat(k, group, axis=1)          # [L, num_heads, D]
@@ -51,24 +53,26 @@ def dense_attention(q, k, v, positions, scale=None):
 class ReferenceCache:
     """Dense per-sequence K/V, mirrored step by step next to a ``PagedKVCache``."""
 
-    def __init__(self, num_layers, dtype="float32"):
+    def __init__(self, num_layers, num_kv_heads, head_dim, dtype="float32"):
         self.num_layers = num_layers
         self.dtype = dtype
-        self.k = {}   # seq_id -> list per layer of [L, H, D] arrays
+        self.empty = np.zeros((0, num_kv_heads, head_dim), dtype=np.float32)
+        self.k = {}   # seq_id -> per layer, [L, num_kv_heads, head_dim] float32
         self.v = {}
 
     def add(self, seq_id, like=None):
-        src = like if like is not None else None
-        self.k[seq_id] = [a.copy() for a in self.k[src]] if src is not None else None
-        self.v[seq_id] = [a.copy() for a in self.v[src]] if src is not None else None
+        self.k[seq_id] = list(self.k[like]) if like is not None else [self.empty] * self.num_layers
+        self.v[seq_id] = list(self.v[like]) if like is not None else [self.empty] * self.num_layers
 
     def free(self, seq_id):
         del self.k[seq_id], self.v[seq_id]
 
+    def seq_len(self, seq_id):
+        return len(self.k[seq_id][0])
+
     def truncate(self, seq_id, new_len):
-        if self.k[seq_id] is not None:
-            self.k[seq_id] = [a[:new_len] for a in self.k[seq_id]]
-            self.v[seq_id] = [a[:new_len] for a in self.v[seq_id]]
+        self.k[seq_id] = [a[:new_len] for a in self.k[seq_id]]
+        self.v[seq_id] = [a[:new_len] for a in self.v[seq_id]]
 
     def store(self, layer, seq_ids, counts, k, v):
         """Append this step's rows (``k``, ``v`` [total_new, H, D]) to each sequence."""
@@ -76,23 +80,85 @@ class ReferenceCache:
         for s, n in zip(seq_ids, counts):
             kk = round_to_storage(k[row:row + n], self.dtype)
             vv = round_to_storage(v[row:row + n], self.dtype)
-            if self.k[s] is None:
-                empty = np.zeros((0,) + k.shape[1:], dtype=np.float32)
-                self.k[s] = [empty] * self.num_layers
-                self.v[s] = [empty] * self.num_layers
             self.k[s][layer] = np.concatenate([self.k[s][layer], kk])
             self.v[s][layer] = np.concatenate([self.v[s][layer], vv])
             row += n
 
-    def kv(self, layer, seq_id):
-        return self.k[seq_id][layer], self.v[seq_id][layer]
-
     def attention(self, layer, seq_ids, counts, q, scale=None):
         """Reference output [total_new, num_heads, D] for a step already stored."""
-        out, row = [], 0
+        out, row = [np.zeros((0,) + q.shape[1:])], 0
         for s, n in zip(seq_ids, counts):
-            k, v = self.kv(layer, s)
+            k, v = self.k[s][layer], self.v[s][layer]
             positions = np.arange(len(k) - n, len(k))
             out.append(dense_attention(q[row:row + n], k, v, positions, scale))
             row += n
-        return np.concatenate(out) if out else np.zeros((0,) + q.shape[1:])
+        return np.concatenate(out)
+
+
+class Harness:
+    """Drives a ``PagedKVCache`` and a ``ReferenceCache`` side by side with random data.
+
+    Every step stores random K/V in each layer, runs attention with random
+    queries, and asserts the output equals the dense reference.
+    """
+
+    def __init__(self, cache, num_heads=None, seed=0):
+        self.cache = cache
+        self.ref = ReferenceCache(cache.num_layers, cache.num_kv_heads, cache.head_dim,
+                                  cache.dtype.name)
+        self.num_heads = num_heads or cache.num_kv_heads
+        self.rng = np.random.default_rng(seed)
+        self.tol = TOLERANCE[cache.dtype.name]
+
+    def add(self):
+        s = self.cache.add_sequence()
+        self.ref.add(s)
+        return s
+
+    def fork(self, parent):
+        child = self.cache.fork(parent)
+        self.ref.add(child, like=parent)
+        return child
+
+    def free(self, s):
+        self.cache.free(s)
+        self.ref.free(s)
+
+    def truncate(self, s, new_len):
+        self.cache.truncate(s, new_len)
+        self.ref.truncate(s, new_len)
+
+    def restore(self, checkpoint):
+        self.cache.restore(checkpoint)
+        self.ref.truncate(checkpoint.seq_id, checkpoint.seq_len)
+
+    def random(self, *shape):
+        return self.rng.standard_normal(shape, dtype=np.float32)
+
+    def step(self, seq_ids, counts):
+        """One engine step over every layer; returns the StepBatch."""
+        counts = [int(c) for c in np.broadcast_to(counts, (len(seq_ids),))]
+        batch = self.cache.append(seq_ids, counts)
+        total = sum(counts)
+        c = self.cache
+        for layer in range(c.num_layers):
+            k = self.random(total, c.num_kv_heads, c.head_dim)
+            v = self.random(total, c.num_kv_heads, c.head_dim)
+            q = self.random(total, self.num_heads, c.head_dim)
+            c.store(layer, batch, k, v)
+            self.ref.store(layer, seq_ids, counts, k, v)
+            out = c.attention(layer, batch, q)
+            assert out.shape == q.shape and out.dtype == np.float32
+            np.testing.assert_allclose(out, self.ref.attention(layer, seq_ids, counts, q),
+                                       **self.tol)
+        return batch
+
+    def check_contents(self):
+        """Every live sequence reads back exactly what was written."""
+        assert sorted(self.cache.seq_ids()) == sorted(self.ref.k)
+        for s in self.ref.k:
+            assert self.cache.seq_len(s) == self.ref.seq_len(s)
+            for layer in range(self.cache.num_layers):
+                k, v = self.cache.gather(layer, s)
+                np.testing.assert_array_equal(k, self.ref.k[s][layer])
+                np.testing.assert_array_equal(v, self.ref.v[s][layer])
