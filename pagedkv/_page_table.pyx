@@ -2,14 +2,19 @@
 """Per-sequence page tables and the per-step tables kernels read.
 
 Each sequence owns an ordered list of page ids and a length.  ``append``
-reserves the slots for one step, all or nothing, copying a shared last page
-first (copy-on-write), and builds every table format an engine may want:
-the slot mapping (vLLM), the CSR page table (FlashInfer, TVM) and the padded
-block table.
+reserves the slots for one step, all or nothing, copying a shared or cached
+last page first (copy-on-write), and builds every table format an engine may
+want: the slot mapping (vLLM), the CSR page table (FlashInfer, TVM) and the
+padded block table.
+
+With prefix caching, a sequence also keeps its token ids and the hash chain
+of its full pages (``hash(parent page's hash, page's token ids)``); a page is
+entered in the allocator's prefix index when it becomes full, and
+``add(token_ids)`` starts a sequence on the longest cached chain of its prompt.
 """
 import numpy as np
 cimport numpy as cnp
-from libc.stdint cimport int32_t, int64_t
+from libc.stdint cimport int32_t, int64_t, uint64_t
 from libcpp.vector cimport vector
 from libcpp.unordered_map cimport unordered_map
 from libcpp.unordered_set cimport unordered_set
@@ -28,16 +33,38 @@ cdef extern from *:
     struct PkvSequence {
         std::vector<int32_t> pages;
         int64_t length = 0;
+        // prefix caching only: the token ids (known while tokens.size() ==
+        // length) and the hash of each full page, in order
+        std::vector<int32_t> tokens;
+        std::vector<uint64_t> hashes;
     };
     """
     cdef cppclass PkvSequence:
         PkvSequence() except +
         vector[int32_t] pages
         int64_t length
+        vector[int32_t] tokens
+        vector[uint64_t] hashes
+
+cdef extern from "pkv_hash.h" nogil:
+    uint64_t pkv_hash_page(uint64_t parent_hash, const int32_t* tokens, int n)
+
+# The chain's root: the "parent hash" of every sequence's first page, and the
+# parent entry that marks a first page in the prefix index.
+cdef uint64_t ROOT_HASH = 0
+cdef int64_t ROOT_ENTRY = -1
 
 
 cdef inline int64_t pages_for(int64_t num_tokens, int64_t page_size) noexcept nogil:
     return (num_tokens + page_size - 1) // page_size
+
+
+cdef void release_pages(PageAllocator allocator, PkvSequence* seq, int64_t keep) noexcept nogil:
+    """Drop the sequence's pages past the first ``keep``, last page first, so
+    that a freed chain enters the LRU end-first and loses its tail first."""
+    while <int64_t>seq.pages.size() > keep:
+        allocator.decref_page(seq.pages.back())
+        seq.pages.pop_back()
 
 
 cdef class PageTables:
@@ -46,21 +73,34 @@ cdef class PageTables:
     Parameters
     ----------
     allocator : PageAllocator
-        Pool the pages come from.
-    page_size : int
-        Tokens per page.
+        Pool the pages come from; its ``page_size`` and ``prefix_caching`` apply.
+    hash_fn : callable, optional
+        ``hash_fn(parent_hash: int, token_ids: tuple) -> int`` replaces the
+        default page hash (e.g. to force collisions in tests).
     """
     cdef PageAllocator allocator
     cdef readonly int page_size
+    cdef bint caching
+    cdef object hash_fn
     cdef unordered_map[int64_t, PkvSequence] seqs
     cdef int64_t next_id
+    cdef readonly int64_t num_prompt_tokens    # passed to add(token_ids=...)
+    cdef readonly int64_t num_reused_tokens    # of those, found in the prefix cache
 
-    def __cinit__(self, PageAllocator allocator, int page_size):
-        if page_size <= 0:
-            raise ValueError(f"page_size: expected a positive int, got {page_size}")
+    def __cinit__(self, PageAllocator allocator, hash_fn=None):
         self.allocator = allocator
-        self.page_size = page_size
+        self.page_size = allocator.page_size
+        self.caching = allocator.prefix_caching
+        self.hash_fn = hash_fn
         self.next_id = 0
+        self.num_prompt_tokens = 0
+        self.num_reused_tokens = 0
+
+    cdef uint64_t page_hash(self, uint64_t parent_hash, const int32_t* tokens) except? 0:
+        if self.hash_fn is None:
+            return pkv_hash_page(parent_hash, tokens, self.page_size)
+        value = self.hash_fn(parent_hash, tuple([tokens[i] for i in range(self.page_size)]))
+        return <uint64_t>(int(value) & 0xFFFFFFFFFFFFFFFF)
 
     cdef PkvSequence* find(self, seq_id) except NULL:
         if not isinstance(seq_id, (int, np.integer)) or isinstance(seq_id, bool):
@@ -71,11 +111,38 @@ cdef class PageTables:
         return &deref(it).second
 
     # -- sequences ---------------------------------------------------------------
-    def add(self):
-        """Create an empty sequence; return its id (ids are never reused)."""
+    def add(self, token_ids=None):
+        """Create a sequence; return its id (ids are never reused).
+
+        With prefix caching and ``token_ids`` (the prompt, int32 [n]), the
+        sequence starts on the longest cached chain of full pages of the
+        prompt, short of its last token; ``seq_len`` tells how many tokens
+        that covers.  Nothing is reserved for the rest.
+        """
+        cdef PkvSequence seq
+        cdef int32_t[::1] prompt
+        cdef int64_t j, ps = self.page_size
+        cdef int64_t parent_entry = ROOT_ENTRY
+        cdef uint64_t h = ROOT_HASH
+        cdef int32_t page
+        if self.caching and token_ids is not None:
+            prompt = token_ids
+            for j in range((prompt.shape[0] - 1) // ps if prompt.shape[0] else 0):
+                h = self.page_hash(h, &prompt[j * ps])
+                page = self.allocator.lookup(h, parent_entry, &prompt[j * ps])
+                if page < 0:
+                    break
+                self.allocator.acquire(page)
+                parent_entry = self.allocator.entry_of(page)
+                seq.pages.push_back(page)
+                seq.hashes.push_back(h)
+            seq.length = <int64_t>seq.pages.size() * ps
+            seq.tokens.assign(&prompt[0], &prompt[0] + seq.length) if seq.length else None
+            self.num_prompt_tokens += prompt.shape[0]
+            self.num_reused_tokens += seq.length
         cdef int64_t seq_id = self.next_id
         self.next_id += 1
-        self.seqs[seq_id] = PkvSequence()
+        self.seqs[seq_id] = seq
         return seq_id
 
     def fork(self, parent_id):
@@ -92,17 +159,13 @@ cdef class PageTables:
     def free(self, seq_id):
         """Drop the sequence; its pages go back to the pool once no one shares them."""
         cdef PkvSequence* seq = self.find(seq_id)
-        cdef size_t i
-        for i in range(seq.pages.size()):
-            self.allocator.decref_page(seq.pages[i])
+        release_pages(self.allocator, seq, 0)
         self.seqs.erase(<int64_t>seq_id)
 
     def clear(self):
         """Free every sequence."""
-        cdef size_t i
         for kv in self.seqs:
-            for i in range(kv.second.pages.size()):
-                self.allocator.decref_page(kv.second.pages[i])
+            release_pages(self.allocator, &kv.second, 0)
         self.seqs.clear()
 
     def __contains__(self, seq_id):
@@ -156,20 +219,52 @@ cdef class PageTables:
         cdef PkvSequence* seq = self.find(seq_id)
         if not 0 <= new_len <= seq.length:
             raise ValueError(f"new_len: expected 0 <= new_len <= seq_len={seq.length}, got {new_len}")
-        cdef int64_t keep = pages_for(new_len, self.page_size)
-        while <int64_t>seq.pages.size() > keep:
-            self.allocator.decref_page(seq.pages.back())
-            seq.pages.pop_back()
+        release_pages(self.allocator, seq, pages_for(new_len, self.page_size))
         seq.length = new_len
+        if <int64_t>seq.tokens.size() > new_len:
+            seq.tokens.resize(new_len)
+        if <int64_t>seq.hashes.size() > new_len // self.page_size:
+            seq.hashes.resize(new_len // self.page_size)
 
     # -- one step ----------------------------------------------------------------
-    def append(self, seq_ids, num_new_tokens, max_seq_len=None):
+    cdef bint must_copy(self, PkvSequence* seq, int64_t num_new,
+                        unordered_map[int32_t, int32_t]& copies_of) noexcept nogil:
+        """Does writing ``num_new`` tokens need a private copy of the last page first?
+
+        Yes when that page is partly filled and either cached (its content is
+        promised to later prefix hits) or held by a sequence other than the
+        writers of this step that already copied it.
+        """
+        if num_new == 0 or seq.length % self.page_size == 0:
+            return False
+        cdef int32_t last = seq.pages.back()
+        return self.allocator.entry_of(last) != 0 or \
+            self.allocator.refcount_of(last) - copies_of[last] > 1
+
+    cdef int new_page_hashes(self, PkvSequence* seq, int64_t num_new, const int32_t* new_tokens,
+                             vector[uint64_t]& out) except -1:
+        """Hashes of the pages this step fills, for a sequence whose tokens are known."""
+        cdef int64_t ps = self.page_size, j, i, pos
+        cdef int64_t old_len = seq.length
+        cdef vector[int32_t] page_tokens
+        cdef uint64_t parent = seq.hashes.back() if seq.hashes.size() else ROOT_HASH
+        page_tokens.resize(ps)
+        out.clear()
+        for j in range(<int64_t>seq.hashes.size(), (old_len + num_new) // ps):
+            for i in range(ps):
+                pos = j * ps + i
+                page_tokens[i] = seq.tokens[pos] if pos < old_len else new_tokens[pos - old_len]
+            parent = self.page_hash(parent, page_tokens.data())
+            out.push_back(parent)
+        return 0
+
+    def append(self, seq_ids, num_new_tokens, max_seq_len=None, token_ids=None):
         """Reserve slots for ``num_new_tokens[b]`` new tokens of each ``seq_ids[b]``.
 
         All or nothing: on any error no sequence or page changes.  A sequence
-        whose last page is shared and partly filled gets a private copy of it
-        first; the (source, destination) pairs are returned so that the backend
-        copies the data before anything is stored.
+        whose last page is partly filled and shared (or cached) gets a private
+        copy of it first; the (source, destination) pairs are returned so that
+        the backend copies the data before anything is stored.
 
         Parameters
         ----------
@@ -179,6 +274,10 @@ cdef class PageTables:
             New tokens per sequence, each >= 0.
         max_seq_len : int or None
             Cap on any sequence's length.
+        token_ids : ndarray, shape [total_new], int32, optional
+            The new tokens, flat.  With prefix caching, pages they fill join
+            the prefix index; a sequence appended without them stops caching
+            until truncated back to its known tokens.
 
         Returns
         -------
@@ -191,6 +290,8 @@ cdef class PageTables:
         """
         cdef int64_t[::1] ids = seq_ids
         cdef int64_t[::1] counts = num_new_tokens
+        cdef int32_t[::1] tokens
+        cdef bint track = self.caching and token_ids is not None
         cdef Py_ssize_t B = ids.shape[0], b
         cdef int64_t ps = self.page_size
         cdef int64_t cap = -1 if max_seq_len is None else max_seq_len
@@ -199,12 +300,17 @@ cdef class PageTables:
         # copies this step will make per shared page: the last writer of a
         # page shared only within the step keeps it instead of copying
         cdef unordered_map[int32_t, int32_t] copies_of
+        cdef vector[vector[uint64_t]] hashes
         cdef PkvSequence* seq
         cdef int64_t needed = 0, new_len, total_new = 0, nnz = 0, num_copies = 0, max_pages = 0
-        cdef bint cow
+        cdef int64_t row = 0, pos, j, c = 0
 
-        # Pass 1: validate everything and count pages; nothing changes yet.
+        # Pass 1: validate everything, count pages and hash the pages this step
+        # fills (a user hash function may raise); nothing changes yet.
         batch.reserve(B)
+        if track:
+            tokens = token_ids
+            hashes.resize(B)
         for b in range(B):
             seq = self.find(ids[b])
             if not seen.insert(ids[b]).second:
@@ -216,12 +322,14 @@ cdef class PageTables:
             if new_len >= 2**31:
                 raise ValueError(f"num_new_tokens: sequence {ids[b]} would reach {new_len} tokens, "
                                  f"over the int32 limit of the tables")
-            cow = counts[b] > 0 and seq.length % ps != 0 and \
-                self.allocator.refcount_of(seq.pages.back()) - copies_of[seq.pages.back()] > 1
-            if cow:
+            if self.must_copy(seq, counts[b], copies_of):
                 copies_of[seq.pages.back()] += 1
-            needed += pages_for(new_len, ps) - <int64_t>seq.pages.size() + cow
-            num_copies += cow
+                needed += 1
+                num_copies += 1
+            needed += pages_for(new_len, ps) - <int64_t>seq.pages.size()
+            if track and <int64_t>seq.tokens.size() == seq.length:
+                self.new_page_hashes(seq, counts[b], &tokens[total_new] if counts[b] else NULL,
+                                     hashes[b])
             total_new += counts[b]
             nnz += pages_for(new_len, ps)
             max_pages = max(max_pages, pages_for(new_len, ps))
@@ -247,9 +355,9 @@ cdef class PageTables:
         cdef int32_t[::1] last_page_len = out["last_page_len"]
         cdef int32_t[:, ::1] block_table = out["block_table"]
         cdef int32_t[::1] copy_src = out["copy_src"], copy_dst = out["copy_dst"]
-        cdef int64_t row = 0, pos, j, c = 0
         cdef int32_t page
         cdef size_t n_pages
+        copies_of.clear()
 
         # Pass 2: commit (cannot fail) and fill the tables.
         with nogil:
@@ -257,8 +365,8 @@ cdef class PageTables:
             page_indptr[0] = 0
             for b in range(B):
                 seq = batch[b]
-                if counts[b] > 0 and seq.length % ps != 0 and \
-                        self.allocator.refcount_of(seq.pages.back()) > 1:
+                # copies_of stays empty here: the decrefs below are real now
+                if self.must_copy(seq, counts[b], copies_of):
                     page = self.allocator.take_page()
                     copy_src[c] = seq.pages.back()
                     copy_dst[c] = page
@@ -268,6 +376,9 @@ cdef class PageTables:
                 new_len = seq.length + counts[b]
                 while <int64_t>seq.pages.size() < pages_for(new_len, ps):
                     seq.pages.push_back(self.allocator.take_page())
+                if track and <int64_t>seq.tokens.size() == seq.length:
+                    seq.tokens.insert(seq.tokens.end(), &tokens[row], &tokens[row] + counts[b])
+                    self.cache_full_pages(seq, hashes[b])
                 for pos in range(seq.length, new_len):
                     slot_mapping[row] = <int64_t>seq.pages[pos // ps] * ps + pos % ps
                     row += 1
@@ -281,3 +392,19 @@ cdef class PageTables:
                 seq_lens[b] = <int32_t>new_len
                 last_page_len[b] = <int32_t>(new_len - (<int64_t>n_pages - 1) * ps) if n_pages else 0
         return out
+
+    cdef void cache_full_pages(self, PkvSequence* seq, vector[uint64_t]& new_hashes) noexcept nogil:
+        """Enter the sequence's newly full pages in the prefix index, in chain order.
+
+        A page joins only if its parent page is cached: the chain is what a
+        later prompt is matched against.
+        """
+        cdef size_t i, j
+        cdef int64_t parent_entry
+        for i in range(new_hashes.size()):
+            j = seq.hashes.size()
+            seq.hashes.push_back(new_hashes[i])
+            parent_entry = ROOT_ENTRY if j == 0 else self.allocator.entry_of(seq.pages[j - 1])
+            if parent_entry != 0:
+                self.allocator.cache_page(seq.pages[j], new_hashes[i], parent_entry,
+                                          &seq.tokens[j * self.page_size])

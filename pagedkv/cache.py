@@ -24,6 +24,17 @@ from pagedkv.errors import ArgumentTypeError
 _DTYPES = {"float32": np.float32, "float16": np.float16}
 
 
+def _check_token_ids(name, token_ids, length=None):
+    """Token ids as an int32 array (they are stored and compared as int32)."""
+    tokens = check_int_vector(name, token_ids, minimum=-2**31)
+    if length is not None and len(tokens) != length:
+        raise ValueError(f"{name}: expected {length} token ids (the step's new tokens), "
+                         f"got {len(tokens)}")
+    if len(tokens) and tokens.max() >= 2**31:
+        raise ValueError(f"{name}: token id {int(tokens.max())} does not fit in int32")
+    return tokens.astype(np.int32)
+
+
 @dataclass(frozen=True)
 class Checkpoint:
     """A sequence's length at some moment; ``restore`` rolls back to it.
@@ -71,6 +82,7 @@ class StepBatch:
         self._cache = cache
         self._generation = generation
         self._stored_layers = set()
+        self._fills_cache = False       # did this step enter pages in the prefix cache?
         self._tables = StepTables(self.query_start, self.seq_lens, self.slot_mapping,
                                   self.page_indptr, self.page_indices)
 
@@ -109,10 +121,26 @@ class PagedKVCache:
         is usable, else host.
     device : optional
         opencl only: a pyopencl ``Device`` or ``Context``, or a ``"P:D"`` string.
+    enable_prefix_caching : bool, default False
+        Remember full pages by a hash chain of their token ids, so that
+        ``add_sequence(token_ids=...)`` reuses the KV of a prompt's cached
+        prefix; freed cached pages stay reusable until evicted (LRU).
+    prefix_hash : callable, optional
+        ``prefix_hash(parent_hash: int, token_ids: tuple) -> int`` replaces the
+        default deterministic page hash.  Hits are confirmed by comparing token
+        ids, so even a constant function returns no wrong KV.
+
+    Notes
+    -----
+    With prefix caching, pages join the cache when ``append`` fills them,
+    before their K/V is stored: store every layer of a step before adding
+    sequences with ``token_ids``, or they could reuse pages not yet written.
+    ``add_sequence`` refuses to run while such a step is incomplete.
     """
 
     def __init__(self, num_layers, num_kv_heads, head_dim, *, num_pages, page_size=16,
-                 dtype="float32", max_seq_len=None, backend="auto", device=None):
+                 dtype="float32", max_seq_len=None, backend="auto", device=None,
+                 enable_prefix_caching=False, prefix_hash=None):
         self.num_layers = check_int("num_layers", num_layers, minimum=1)
         self.num_kv_heads = check_int("num_kv_heads", num_kv_heads, minimum=1)
         self.head_dim = check_int("head_dim", head_dim, minimum=1)
@@ -130,9 +158,16 @@ class PagedKVCache:
         self._backend = backend_class(self.backend)(
             num_layers=self.num_layers, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
             num_pages=num_pages, page_size=self.page_size, dtype=self.dtype, device=device)
-        self._allocator = PageAllocator(num_pages)
-        self._tables = PageTables(self._allocator, self.page_size)
+        if not isinstance(enable_prefix_caching, bool):
+            raise ArgumentTypeError(f"enable_prefix_caching: expected a bool, "
+                                    f"got {enable_prefix_caching!r}")
+        if prefix_hash is not None and not callable(prefix_hash):
+            raise ArgumentTypeError(f"prefix_hash: expected a callable, got {prefix_hash!r}")
+        self.prefix_caching = enable_prefix_caching
+        self._allocator = PageAllocator(num_pages, self.page_size, enable_prefix_caching)
+        self._tables = PageTables(self._allocator, prefix_hash)
         self._generation = 0
+        self._last_batch = None
 
     @staticmethod
     def _check_dtype(dtype):
@@ -178,9 +213,30 @@ class PagedKVCache:
         return self._allocator.refcount(page_id)
 
     # -- sequences -------------------------------------------------------------
-    def add_sequence(self):
-        """Create an empty sequence; return its id (ids are never reused)."""
-        return self._tables.add()
+    def add_sequence(self, token_ids=None):
+        """Create a sequence; return its id (ids are never reused).
+
+        Parameters
+        ----------
+        token_ids : sequence of int, shape [prompt_len], optional
+            The prompt.  With prefix caching the sequence starts on the
+            longest cached chain of its full pages (never the prompt's last
+            token, whose logits the engine needs); ``seq_len`` then tells how
+            many tokens already have K/V, and the engine appends the rest.
+            Without prefix caching it is accepted and ignored.
+        """
+        if token_ids is None:
+            return self._tables.add()
+        tokens = _check_token_ids("token_ids", token_ids)
+        if not self.prefix_caching:
+            return self._tables.add()
+        last = self._last_batch
+        if last is not None and last._fills_cache and last._generation == self._generation \
+                and len(last._stored_layers) < self.num_layers:
+            raise ValueError("token_ids: the current step filled pages that joined the prefix "
+                             "cache but not every layer was stored; store all layers of the "
+                             "step before adding sequences")
+        return self._tables.add(tokens)
 
     def fork(self, seq_id):
         """A new sequence sharing every page of ``seq_id``; copies happen on divergent writes."""
@@ -237,7 +293,7 @@ class PagedKVCache:
         self._generation += 1
 
     # -- one step ------------------------------------------------------------------
-    def append(self, seq_ids, num_new_tokens):
+    def append(self, seq_ids, num_new_tokens, token_ids=None):
         """Reserve slots for this step's new tokens; all or nothing.
 
         Parameters
@@ -246,6 +302,9 @@ class PagedKVCache:
             Distinct live sequences.
         num_new_tokens : int or sequence of int, shape [B]
             New tokens per sequence (an int applies to all).
+        token_ids : sequence of int, shape [total_new], optional
+            The new tokens, flat in ``seq_ids`` order.  With prefix caching,
+            pages they fill join the cache; without it they are ignored.
 
         Returns
         -------
@@ -259,12 +318,18 @@ class PagedKVCache:
         """
         ids = check_int_vector("seq_ids", seq_ids)
         counts = check_int_vector("num_new_tokens", num_new_tokens, length=len(ids), minimum=0)
-        t = self._tables.append(ids, counts, self.max_seq_len)
+        if token_ids is not None:
+            token_ids = _check_token_ids("token_ids", token_ids, length=int(counts.sum()))
+        cached_before = self._allocator.num_cached
+        t = self._tables.append(ids, counts, self.max_seq_len,
+                                token_ids if self.prefix_caching else None)
         self._generation += 1
         if len(t["copy_src"]):
             self._backend.copy_pages(t["copy_src"], t["copy_dst"])
         batch = StepBatch(self, self._generation, ids, t)
+        batch._fills_cache = self._allocator.num_cached != cached_before
         self._backend.prepare_step(batch._tables)
+        self._last_batch = batch
         return batch
 
     def _check_step(self, layer, batch):
@@ -331,6 +396,35 @@ class PagedKVCache:
             raise ValueError(f"layer: K/V of layer {layer} were not stored for this step; "
                              f"call store({layer}, batch, k, v) first")
         return self._backend.attention(layer, batch._tables, q, float(scale))
+
+    # -- prefix cache ------------------------------------------------------------------
+    def stats(self):
+        """Page and prefix-cache counters.
+
+        Returns
+        -------
+        dict
+            ``num_free_pages`` (what an allocation can take, evictable cached
+            pages included), ``num_used_pages`` (held by a sequence),
+            ``num_shared_pages`` (held by more than one), ``num_cached_pages``
+            (free but still holding a cached prefix: evictable),
+            ``prefix_hit_rate`` (tokens reused / prompt tokens passed to
+            ``add_sequence``), ``num_evictions``.
+        """
+        refcounts = self._allocator.refcount(np.arange(self.num_pages))
+        prompt = self._tables.num_prompt_tokens
+        return {
+            "num_free_pages": self._allocator.num_free,
+            "num_used_pages": int((refcounts > 0).sum()),
+            "num_shared_pages": int((refcounts > 1).sum()),
+            "num_cached_pages": self._allocator.num_cached_free,
+            "prefix_hit_rate": self._tables.num_reused_tokens / prompt if prompt else 0.0,
+            "num_evictions": int(self._allocator.num_evictions),
+        }
+
+    def reset_prefix_cache(self):
+        """Drop every cached page that no sequence uses; return how many."""
+        return self._allocator.reset_prefix_cache()
 
     # -- reading back ----------------------------------------------------------------
     def gather(self, layer, seq_id):

@@ -54,11 +54,11 @@ def test_double_free_and_bad_ids_change_nothing():
     assert list(a.refcount(p)) == [1, 1] and a.num_free == 2
 
 
-def test_freed_pages_are_reused_in_free_order():
+def test_freed_pages_are_reused_most_recent_first():
     a = PageAllocator(3)
     first = a.allocate(3)
-    a.decref(first[[2, 0]])
-    assert list(a.allocate(2)) == [first[2], first[0]]
+    a.decref(first[[2, 0]])               # uncached pages return to the head of the queue
+    assert list(a.allocate(2)) == [first[0], first[2]]
 
 
 def test_bad_pool_size():
