@@ -27,7 +27,7 @@ cdef class PageAllocator:
     cdef int64_t[::1] _entry
     cdef int64_t[::1] _parent_entry
     cdef int32_t[:, ::1] _tokens
-    cdef int64_t _last_entry
+    cdef readonly int64_t num_cache_insertions   # also the id of the newest cache entry
 
     cdef int32_t take_page(self) noexcept nogil
     cdef void incref_page(self, int32_t page) noexcept nogil

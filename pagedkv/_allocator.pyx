@@ -74,7 +74,7 @@ cdef class PageAllocator:
         self.num_free_pages = 0
         self.num_evictable = 0
         self.num_evictions = 0
-        self._last_entry = 0
+        self.num_cache_insertions = 0
         cdef int32_t p
         for p in range(num_pages):
             self._push_tail(p)
@@ -177,8 +177,8 @@ cdef class PageAllocator:
         is already taken (the page then stays uncached)."""
         if self._entry[page] or self._index.count(page_hash):
             return False
-        self._last_entry += 1
-        self._entry[page] = self._last_entry
+        self.num_cache_insertions += 1
+        self._entry[page] = self.num_cache_insertions
         self._hash[page] = page_hash
         self._parent_entry[page] = parent_entry
         memcpy(&self._tokens[page, 0], tokens, self.page_size * sizeof(int32_t))

@@ -320,14 +320,14 @@ class PagedKVCache:
         counts = check_int_vector("num_new_tokens", num_new_tokens, length=len(ids), minimum=0)
         if token_ids is not None:
             token_ids = _check_token_ids("token_ids", token_ids, length=int(counts.sum()))
-        cached_before = self._allocator.num_cached
+        insertions_before = self._allocator.num_cache_insertions
         t = self._tables.append(ids, counts, self.max_seq_len,
                                 token_ids if self.prefix_caching else None)
         self._generation += 1
         if len(t["copy_src"]):
             self._backend.copy_pages(t["copy_src"], t["copy_dst"])
         batch = StepBatch(self, self._generation, ids, t)
-        batch._fills_cache = self._allocator.num_cached != cached_before
+        batch._fills_cache = self._allocator.num_cache_insertions != insertions_before
         self._backend.prepare_step(batch._tables)
         self._last_batch = batch
         return batch
