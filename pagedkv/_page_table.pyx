@@ -15,9 +15,9 @@ entered in the allocator's prefix index when it becomes full, and
 import numpy as np
 cimport numpy as cnp
 from libc.stdint cimport int32_t, int64_t, uint64_t
+from libc.string cimport memcpy
 from libcpp.vector cimport vector
 from libcpp.unordered_map cimport unordered_map
-from libcpp.unordered_set cimport unordered_set
 from cython.operator cimport dereference as deref
 
 from pagedkv._allocator cimport PageAllocator
@@ -33,6 +33,7 @@ cdef extern from *:
     struct PkvSequence {
         std::vector<int32_t> pages;
         int64_t length = 0;
+        int64_t last_step = -1;   // the append call that last named it (duplicate check)
         // prefix caching only: the token ids (known while tokens.size() ==
         // length) and the hash of each full page, in order
         std::vector<int32_t> tokens;
@@ -43,6 +44,7 @@ cdef extern from *:
         PkvSequence() except +
         vector[int32_t] pages
         int64_t length
+        int64_t last_step
         vector[int32_t] tokens
         vector[uint64_t] hashes
 
@@ -84,6 +86,7 @@ cdef class PageTables:
     cdef object hash_fn
     cdef unordered_map[int64_t, PkvSequence] seqs
     cdef int64_t next_id
+    cdef int64_t num_steps
     cdef readonly int64_t num_prompt_tokens    # passed to add(token_ids=...)
     cdef readonly int64_t num_reused_tokens    # of those, found in the prefix cache
 
@@ -93,6 +96,7 @@ cdef class PageTables:
         self.caching = allocator.prefix_caching
         self.hash_fn = hash_fn
         self.next_id = 0
+        self.num_steps = 0
         self.num_prompt_tokens = 0
         self.num_reused_tokens = 0
 
@@ -103,11 +107,17 @@ cdef class PageTables:
         return <uint64_t>(int(value) & 0xFFFFFFFFFFFFFFFF)
 
     cdef PkvSequence* find(self, seq_id) except NULL:
+        """The live sequence ``seq_id`` (any Python object), or UnknownSequenceError."""
         if not isinstance(seq_id, (int, np.integer)) or isinstance(seq_id, bool):
             raise UnknownSequenceError(f"seq_id: expected an int sequence id, got {seq_id!r}")
-        it = self.seqs.find(<int64_t>seq_id) if -2**63 <= seq_id < 2**63 else self.seqs.end()
-        if it == self.seqs.end():
+        if not -2**63 <= seq_id < 2**63:
             raise UnknownSequenceError(f"seq_id: no live sequence {seq_id!r} (never added, or freed)")
+        return self.find_id(seq_id)
+
+    cdef PkvSequence* find_id(self, int64_t seq_id) except NULL:
+        it = self.seqs.find(seq_id)
+        if it == self.seqs.end():
+            raise UnknownSequenceError(f"seq_id: no live sequence {seq_id} (never added, or freed)")
         return &deref(it).second
 
     # -- sequences ---------------------------------------------------------------
@@ -238,8 +248,13 @@ cdef class PageTables:
         if num_new == 0 or seq.length % self.page_size == 0:
             return False
         cdef int32_t last = seq.pages.back()
-        return self.allocator.entry_of(last) != 0 or \
-            self.allocator.refcount_of(last) - copies_of[last] > 1
+        if self.allocator.entry_of(last) != 0:
+            return True
+        cdef int32_t holders = self.allocator.refcount_of(last)
+        if holders == 1:
+            return False
+        it = copies_of.find(last)
+        return holders - (deref(it).second if it != copies_of.end() else 0) > 1
 
     cdef int new_page_hashes(self, PkvSequence* seq, int64_t num_new, const int32_t* new_tokens,
                              vector[uint64_t]& out) except -1:
@@ -296,7 +311,6 @@ cdef class PageTables:
         cdef int64_t ps = self.page_size
         cdef int64_t cap = -1 if max_seq_len is None else max_seq_len
         cdef vector[PkvSequence*] batch
-        cdef unordered_set[int64_t] seen
         # copies this step will make per shared page: the last writer of a
         # page shared only within the step keeps it instead of copying
         cdef unordered_map[int32_t, int32_t] copies_of
@@ -308,13 +322,15 @@ cdef class PageTables:
         # Pass 1: validate everything, count pages and hash the pages this step
         # fills (a user hash function may raise); nothing changes yet.
         batch.reserve(B)
+        self.num_steps += 1
         if track:
             tokens = token_ids
             hashes.resize(B)
         for b in range(B):
-            seq = self.find(ids[b])
-            if not seen.insert(ids[b]).second:
+            seq = self.find_id(ids[b])
+            if seq.last_step == self.num_steps:
                 raise ValueError(f"seq_ids: sequence {ids[b]} appears more than once in one step")
+            seq.last_step = self.num_steps
             new_len = seq.length + counts[b]
             if cap >= 0 and new_len > cap:
                 raise ValueError(f"num_new_tokens: sequence {ids[b]} would reach {new_len} tokens, "
@@ -384,9 +400,9 @@ cdef class PageTables:
                     row += 1
                 seq.length = new_len
                 n_pages = seq.pages.size()
-                for j in range(<int64_t>n_pages):
-                    page_indices[page_indptr[b] + j] = seq.pages[j]
-                    block_table[b, j] = seq.pages[j]
+                if n_pages:
+                    memcpy(&page_indices[page_indptr[b]], seq.pages.data(), n_pages * sizeof(int32_t))
+                    memcpy(&block_table[b, 0], seq.pages.data(), n_pages * sizeof(int32_t))
                 page_indptr[b + 1] = page_indptr[b] + <int32_t>n_pages
                 query_start[b + 1] = <int32_t>row
                 seq_lens[b] = <int32_t>new_len
