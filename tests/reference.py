@@ -135,8 +135,11 @@ class Harness:
     def random(self, *shape):
         return self.rng.standard_normal(shape, dtype=np.float32)
 
-    def step(self, seq_ids, counts):
-        """One engine step over every layer; returns the StepBatch."""
+    def step(self, seq_ids, counts, check=True):
+        """One engine step over every layer; returns the StepBatch.
+
+        ``check=False`` skips the attention comparison (for a huge prefill
+        whose dense reference would not fit in memory)."""
         counts = [int(c) for c in np.broadcast_to(counts, (len(seq_ids),))]
         batch = self.cache.append(seq_ids, counts)
         total = sum(counts)
@@ -147,6 +150,8 @@ class Harness:
             q = self.random(total, self.num_heads, c.head_dim)
             c.store(layer, batch, k, v)
             self.ref.store(layer, seq_ids, counts, k, v)
+            if not check:
+                continue
             out = c.attention(layer, batch, q)
             assert out.shape == q.shape and out.dtype == np.float32
             np.testing.assert_allclose(out, self.ref.attention(layer, seq_ids, counts, q),
