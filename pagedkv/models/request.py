@@ -1,0 +1,70 @@
+"""A generation request and its progress through the engine."""
+from dataclasses import dataclass, field
+from typing import FrozenSet, List, Optional
+
+
+@dataclass
+class Request:
+    """One prompt being completed.
+
+    Attributes
+    ----------
+    request_id : int
+    prompt_ids : list of int
+    max_new_tokens : int
+    temperature : float
+        0 = greedy.
+    stop_ids : frozenset of int
+        Generating one of these finishes the request (the id is kept in
+        ``output_ids``; decoding with ``skip_special`` hides it).
+    output_ids : list of int
+        Tokens generated so far.
+    seq_id : int or None
+        The cache sequence while the request holds one (None while waiting,
+        after preemption, and once finished).
+    num_computed : int
+        Leading tokens of ``prompt_ids + output_ids`` whose K/V are in the
+        cache.  Everything after them is computed by coming steps; when all
+        but nothing is pending, the next step's last row yields the next token.
+    finish_reason : {None, "stop", "length"}
+    num_preemptions : int
+        Times the request lost its pages and was recomputed.
+    """
+    request_id: int
+    prompt_ids: List[int]
+    max_new_tokens: int
+    temperature: float = 0.0
+    stop_ids: FrozenSet[int] = frozenset()
+    output_ids: List[int] = field(default_factory=list)
+    seq_id: Optional[int] = None
+    num_computed: int = 0
+    finish_reason: Optional[str] = None
+    num_preemptions: int = 0
+
+    @property
+    def num_tokens(self):
+        """Prompt plus generated tokens."""
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_pending(self):
+        """Tokens not yet in the cache (1 for a decoding request)."""
+        return self.num_tokens - self.num_computed
+
+    @property
+    def is_decoding(self):
+        """True when the only pending token is the last one generated."""
+        return bool(self.output_ids) and self.num_pending == 1
+
+    @property
+    def finished(self):
+        return self.finish_reason is not None
+
+    def token_slice(self, start, stop):
+        """Tokens ``start:stop`` of ``prompt_ids + output_ids``; list of int."""
+        num_prompt = len(self.prompt_ids)
+        if stop <= num_prompt:
+            return self.prompt_ids[start:stop]
+        if start >= num_prompt:
+            return self.output_ids[start - num_prompt:stop - num_prompt]
+        return self.prompt_ids[start:] + self.output_ids[:stop - num_prompt]

@@ -1,0 +1,184 @@
+"""Continuous batching: which tokens of which requests run in the next step.
+
+Each step mixes every decoding request (one token each) with chunks of
+prompts still being prefilled, up to a token budget, so a long prompt never
+stalls the decodes beside it.  Requests join between steps (admitted oldest
+first while pages and the sequence limit allow) and leave as soon as they
+finish, freeing their pages for the next step.
+
+When the pool cannot hold the next decode token of every running request,
+the newest running request is preempted: its sequence is freed and it goes
+back to the head of the queue, to be recomputed from its prompt and the
+tokens it has generated so far (recompute is cheap next to the decode steps
+it unblocks, and it keeps page accounting simple).
+"""
+from collections import deque
+from dataclasses import dataclass
+from typing import List
+
+from pagedkv.errors import OutOfPagesError
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """``num_tokens`` tokens of ``request``, starting at ``request.num_computed``."""
+    request: object
+    num_tokens: int
+
+    @property
+    def samples(self):
+        """True when the chunk reaches the request's last token, so it yields the next one."""
+        return self.request.num_computed + self.num_tokens == self.request.num_tokens
+
+
+class Scheduler:
+    """Queue, running set and the per-step plan over one KV cache.
+
+    Parameters
+    ----------
+    cache : PagedKVCache or compatible
+        Used for ``add_sequence``, ``free``, ``seq_len``, ``page_count``,
+        ``page_size`` and ``num_free_pages``.
+    max_num_seqs : int
+        Most requests holding a sequence at once.
+    max_num_batched_tokens : int
+        Most new tokens in one step (decodes and prefill chunks together).
+    """
+
+    def __init__(self, cache, *, max_num_seqs, max_num_batched_tokens):
+        self.cache = cache
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting = deque()
+        self.running: List = []          # admission order, oldest first
+        self.num_preemptions = 0
+
+    def add(self, request):
+        """Queue a new request (it is admitted by a later :meth:`schedule`)."""
+        self.waiting.append(request)
+
+    def has_work(self):
+        return bool(self.waiting or self.running)
+
+    # -- sequences ------------------------------------------------------------------
+    def _pages_needed(self, seq_id, num_tokens):
+        """Pages a sequence must take to grow by ``num_tokens`` (copy-on-write aside)."""
+        page_size = self.cache.page_size
+        have = self.cache.page_count(seq_id)
+        return max(0, -(-(self.cache.seq_len(seq_id) + num_tokens) // page_size) - have)
+
+    def _start(self, request):
+        """Give a request its cache sequence.
+
+        The one place a sequence is created: with prefix caching the cache
+        may already hold leading tokens of the request (``seq_len > 0``), and
+        only the rest is computed.  At least the last token is always left to
+        compute, because its row yields the next token's logits.
+        """
+        seq_id = self.cache.add_sequence()
+        reused = min(self.cache.seq_len(seq_id), request.num_tokens - 1)
+        if reused < self.cache.seq_len(seq_id):
+            self.cache.truncate(seq_id, reused)
+        request.seq_id = seq_id
+        request.num_computed = reused
+        self.running.append(request)
+
+    def finish(self, request):
+        """Release a finished request's sequence and pages at once."""
+        self.running.remove(request)
+        self.cache.free(request.seq_id)
+        request.seq_id = None
+
+    def preempt_newest(self):
+        """Free the newest running request's pages and requeue it for recompute.
+
+        Raises
+        ------
+        OutOfPagesError
+            Nothing is running, so nothing can give pages back.
+        """
+        if not self.running:
+            raise OutOfPagesError("the page pool cannot hold even one request's next step; "
+                                  "give the cache more pages")
+        request = self.running.pop()
+        self.cache.free(request.seq_id)
+        request.seq_id = None
+        request.num_computed = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    # -- the plan ----------------------------------------------------------------------
+    def schedule(self):
+        """Plan the next step.
+
+        Returns
+        -------
+        list of ScheduledChunk
+            In step-row order: decodes (oldest request first), then prefill
+            chunks of running requests, then chunks of newly admitted ones.
+            Empty when there is nothing to run.
+        """
+        budget = self.max_num_batched_tokens
+        free_pages = self.cache.num_free_pages
+        plan = []
+
+        # 1. Every decoding request gets its token; preempt the newest to make room.
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            if not request.is_decoding:
+                index += 1
+                continue
+            need = self._pages_needed(request.seq_id, 1)
+            # Victims are newer than ``request``, so none is in the plan yet.
+            while need > free_pages and self.running[-1] is not request:
+                self.preempt_newest()
+                free_pages = self.cache.num_free_pages
+            if need > free_pages:               # the request itself is the newest
+                self.preempt_newest()
+                break
+            plan.append(ScheduledChunk(request, 1))
+            free_pages -= need
+            budget -= 1
+            index += 1
+
+        # 2. Running requests still prefilling take what budget and pages allow.
+        for request in self.running:
+            if budget <= 0:
+                break
+            if request.is_decoding:
+                continue
+            num_tokens = self._fit(request.seq_id, min(request.num_pending, budget), free_pages)
+            if num_tokens:
+                plan.append(ScheduledChunk(request, num_tokens))
+                free_pages -= self._pages_needed(request.seq_id, num_tokens)
+                budget -= num_tokens
+
+        # 3. Admit waiting requests, oldest first, while they fit.
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            first_chunk = min(request.num_tokens, budget)
+            if -(-first_chunk // self.cache.page_size) > free_pages:
+                break
+            self.waiting.popleft()
+            self._start(request)
+            num_tokens = self._fit(request.seq_id, min(request.num_pending, budget), free_pages)
+            if not num_tokens:
+                break
+            plan.append(ScheduledChunk(request, num_tokens))
+            free_pages -= self._pages_needed(request.seq_id, num_tokens)
+            budget -= num_tokens
+
+        if not plan and self.running:
+            # Nothing fits (every running request is prefilling and the pool
+            # is full): make room rather than stall.
+            self.preempt_newest()
+            return self.schedule()
+        return plan
+
+    def _fit(self, seq_id, num_tokens, free_pages):
+        """The largest count <= ``num_tokens`` the sequence can grow by with ``free_pages``."""
+        room = (self.cache.page_count(seq_id) + free_pages) * self.cache.page_size \
+            - self.cache.seq_len(seq_id)
+        return max(0, min(num_tokens, room))
