@@ -103,9 +103,9 @@ class RecordingCache:
         self._cache = cache
         self.appends = []
 
-    def append(self, seq_ids, counts):
+    def append(self, seq_ids, counts, **kwargs):
         self.appends.append(list(counts))
-        return self._cache.append(seq_ids, counts)
+        return self._cache.append(seq_ids, counts, **kwargs)
 
     def __getattr__(self, name):
         return getattr(self._cache, name)
@@ -121,9 +121,10 @@ def model(checkpoint):
     return engine_model(checkpoint, CONFIG)
 
 
-def make_cache(backend, num_pages, page_size=4):
+def make_cache(backend, num_pages, page_size=4, **kwargs):
     return pagedkv.PagedKVCache(CONFIG.num_layers, CONFIG.num_kv_heads, CONFIG.head_dim,
-                                num_pages=num_pages, page_size=page_size, backend=backend)
+                                num_pages=num_pages, page_size=page_size, backend=backend,
+                                **kwargs)
 
 
 def run_and_collect(engine, arrivals):
@@ -202,6 +203,26 @@ def test_engine_preempts_and_recomputes_when_pages_run_out(backend, checkpoint, 
     assert engine.stats.num_preemptions > 0
     assert_matches_dense(checkpoint, events, collected)
     assert cache.num_free_pages == cache.num_pages
+
+
+def test_engine_reuses_cached_prefixes(backend, checkpoint, model):
+    """With a prefix-caching cache, later prompts sharing full pages with an
+    earlier one compute only their new tokens, and the logits do not change."""
+    rng = np.random.default_rng(4)
+    shared = rng.integers(0, CONFIG.vocab_size, 13).tolist()         # 3 full pages + 1
+
+    def prompt(n):
+        return shared + rng.integers(0, CONFIG.vocab_size, n).tolist()
+
+    # the first request finishes at step 2; its pages stay cached for the next two
+    arrivals = {0: [(prompt(5), 3)], 3: [(prompt(3), 4), (shared[:9] + [1, 2], 3)]}
+    cache = RecordingCache(make_cache(backend, num_pages=64, enable_prefix_caching=True))
+    engine = Engine(model, cache, max_num_seqs=8, max_num_batched_tokens=64)
+    events, prompts = run_and_collect(engine, arrivals)
+    assert_matches_dense(checkpoint, events, prompts)
+    # the late prompts (16 and 11 tokens) start on 3 and 2 cached pages
+    assert cache.appends[0] == [18] and cache.appends[3] == [16 - 12, 11 - 8]
+    assert cache.stats()["prefix_hit_rate"] == (12 + 8) / (18 + 16 + 11)
 
 
 def test_forward_computes_logits_only_for_requested_rows(model):

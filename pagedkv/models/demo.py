@@ -18,7 +18,7 @@ DEFAULT_PROMPTS = (
     "What is the capital of France? Answer in one sentence.",
     "Write a haiku about the sea.",
     "Explain in two sentences why the sky is blue.",
-    "Give me three tips for learning to cook.",
+    "What are three good habits for staying healthy?",
 )
 
 #: Modules the demo needs beyond the core, with the pip names that provide them.
@@ -86,6 +86,12 @@ def build_parser():
                              "(default: 256)")
     parser.add_argument("--max-seqs", type=_positive_int, default=32, metavar="N",
                         help="most requests running at once (default: 32)")
+    parser.add_argument("--stagger", type=_non_negative_int, default=2, metavar="STEPS",
+                        help="add the prompts this many engine steps apart, so they join a "
+                             "running batch (default: 2; 0 = all at once)")
+    parser.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                        help="do not reuse the KV of prompt prefixes already computed (by "
+                             "default prompts sharing a system prompt reuse its pages)")
     parser.add_argument("--blas-threads", type=_non_negative_int, default=1, metavar="N",
                         help="BLAS threads for the dense math; 0 = the library's default "
                              "(default: 1, which leaves the cores to the KV kernels)")
@@ -144,23 +150,32 @@ def run(args):
             for ids in prompt_ids)
         cache = pagedkv.PagedKVCache(config.num_layers, config.num_kv_heads, config.head_dim,
                                      num_pages=num_pages, page_size=args.page_size,
-                                     backend=args.backend)
+                                     backend=args.backend,
+                                     enable_prefix_caching=args.prefix_caching)
         engine = Engine(loaded.model, cache, max_num_seqs=args.max_seqs,
                         max_num_batched_tokens=args.max_batch_tokens, max_seq_len=max_seq_len,
                         seed=args.seed)
-        index_of = {engine.add_request(ids, max_new_tokens=args.max_new_tokens,
-                                       temperature=args.temperature,
-                                       stop_ids=tokenizer.stop_ids): i
-                    for i, ids in enumerate(prompt_ids)}
+        # prompt i joins before step i * stagger
+        arrivals = {i * args.stagger: [] for i in range(len(prompt_ids))}
+        for i, ids in enumerate(prompt_ids):
+            arrivals[i * args.stagger].append((i, ids))
+        index_of = {}
         streams = [TextStream(tokenizer) for _ in prompts]
         with RunView(prompts) as view:
             view.status = f"{loaded.name} on {cache.backend}: starting"
             start = time.perf_counter()
-            while engine.has_unfinished():
+            step = 0
+            while engine.has_unfinished() or arrivals:
+                for index, ids in arrivals.pop(step, []):
+                    request_id = engine.add_request(ids, max_new_tokens=args.max_new_tokens,
+                                                    temperature=args.temperature,
+                                                    stop_ids=tokenizer.stop_ids)
+                    index_of[request_id] = index
                 for event in engine.step():
                     index = index_of[event.request_id]
                     view.add_text(index, streams[index].push(event.token_id))
                 view.update_status(engine)
+                step += 1
             wall_seconds = time.perf_counter() - start
         for request_id, index in index_of.items():
             # Exact final text (a trailing partial UTF-8 character is never streamed).

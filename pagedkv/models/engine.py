@@ -203,22 +203,38 @@ class Engine:
 
     # -- one step -----------------------------------------------------------------------
     def _append(self):
-        """Schedule and reserve the step's slots; preempt and replan if the pool runs out."""
+        """Schedule the step and reserve its slots; preempt and replan if the pool runs out.
+
+        Returns
+        -------
+        plan : list of ScheduledChunk
+        batch : the cache's step batch, or None when there is nothing to run
+        token_ids : list of int, the step's new tokens in row order
+        """
         while True:
             plan = self.scheduler.schedule()
             if not plan:
                 if self.scheduler.has_work():
                     raise OutOfPagesError("no request fits in the page pool; give the cache "
                                           "more pages or lower max_num_batched_tokens")
-                return plan, None
+                return plan, None, []
+            token_ids = []
+            for chunk in plan:
+                start = chunk.request.num_computed
+                token_ids.extend(chunk.request.token_slice(start, start + chunk.num_tokens))
+            seq_ids = [c.request.seq_id for c in plan]
+            counts = [c.num_tokens for c in plan]
             try:
-                batch = self.cache.append([c.request.seq_id for c in plan],
-                                          [c.num_tokens for c in plan])
+                if getattr(self.cache, "prefix_caching", False):
+                    # the cache hashes the pages these tokens fill, for later prompts to reuse
+                    batch = self.cache.append(seq_ids, counts, token_ids=token_ids)
+                else:
+                    batch = self.cache.append(seq_ids, counts)
             except OutOfPagesError:
                 # The plan's page estimate missed copy-on-write of shared pages.
                 self.scheduler.preempt_newest()
                 continue
-            return plan, batch
+            return plan, batch, token_ids
 
     def step(self):
         """Run one step of every scheduled request.
@@ -229,18 +245,17 @@ class Engine:
             One per request that generated a token this step, in step order.
         """
         start = time.perf_counter()
-        plan, batch = self._append()
+        plan, batch, token_ids = self._append()
         if batch is None:
             return []
         # Pages peak right after the append, before finished requests free theirs.
         pages_in_use = self.cache.num_pages - self.cache.num_free_pages
         num_running = len(self.scheduler.running)
-        token_ids, positions, logit_rows, sampling = [], [], [], []
+        positions, logit_rows, sampling = [], [], []
         row = 0
         num_decode = 0
         for chunk in plan:
             request, n = chunk.request, chunk.num_tokens
-            token_ids.extend(request.token_slice(request.num_computed, request.num_computed + n))
             positions.append(np.arange(request.num_computed, request.num_computed + n))
             num_decode += request.is_decoding
             row += n

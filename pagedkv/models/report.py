@@ -48,6 +48,8 @@ def prefix_hit_rate(cache):
     stats_fn = getattr(cache, "stats", None)
     if not callable(stats_fn):
         return "n/a (prefix caching not available)"
+    if getattr(cache, "prefix_caching", None) is False:
+        return "n/a (prefix caching is off)"
     stats = stats_fn()
     values = stats if isinstance(stats, dict) else vars(stats)
     for key in ("prefix_hit_rate", "hit_rate"):

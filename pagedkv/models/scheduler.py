@@ -70,12 +70,18 @@ class Scheduler:
     def _start(self, request):
         """Give a request its cache sequence.
 
-        The one place a sequence is created: with prefix caching the cache
-        may already hold leading tokens of the request (``seq_len > 0``), and
-        only the rest is computed.  At least the last token is always left to
-        compute, because its row yields the next token's logits.
+        The one place a sequence is created.  With a prefix-caching cache
+        (``cache.prefix_caching``) the request's tokens go to
+        ``add_sequence(token_ids=...)``, the cache may already hold a leading
+        part of them (``seq_len > 0``), and only the rest is computed.  At
+        least the last token is always left to compute: its row yields the
+        next token's logits.
         """
-        seq_id = self.cache.add_sequence()
+        if getattr(self.cache, "prefix_caching", False):
+            seq_id = self.cache.add_sequence(
+                token_ids=request.token_slice(0, request.num_tokens))
+        else:
+            seq_id = self.cache.add_sequence()
         reused = min(self.cache.seq_len(seq_id), request.num_tokens - 1)
         if reused < self.cache.seq_len(seq_id):
             self.cache.truncate(seq_id, reused)
