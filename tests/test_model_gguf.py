@@ -216,11 +216,37 @@ def test_unsupported_files_raise_model_format_error(tmp_path, checkpoint, case, 
         load_gguf_model(path)
 
 
-def test_sentencepiece_tokenizer_is_refused_clearly(tmp_path, checkpoint):
-    from pagedkv.models.errors import ModelFormatError
-    from pagedkv.models.gguf_loader import open_gguf, read_metadata
+def sentencepiece_metadata():
+    """A SentencePiece-style vocabulary: <unk>, <s>, </s>, 256 byte pieces, scored pieces."""
+    merged = ["ll", "He", "\u2581He", "llo", "\u2581Hello", "or", "\u2581w", "\u2581wor", "ld",
+              "\u2581world"]
+    singles = ["\u2581", "H", "e", "l", "o", "w", "r", "d"]
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + singles + merged
+    types = [2, 3, 3] + [6] * 256 + [1] * (len(singles) + len(merged))
+    # a merged piece's score ranks its merge: "ll" first, "\u2581world" last
+    scores = [0.0] * (3 + 256 + len(singles)) + [-1.0 - i for i in range(len(merged))]
+    return {"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": tokens,
+            "tokenizer.ggml.scores": scores, "tokenizer.ggml.token_type": types,
+            "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2,
+            "tokenizer.ggml.unknown_token_id": 0}
+
+
+def test_sentencepiece_tokenizer():
     from pagedkv.models.tokenizer import GGUFTokenizer
-    path = tmp_path / "spm.gguf"
-    write_gguf(path, checkpoint, tokenizer_model="llama")
-    with pytest.raises(ModelFormatError, match="byte-level BPE.*'llama'"):
-        GGUFTokenizer.from_metadata(read_metadata(open_gguf(path)))
+    metadata = sentencepiece_metadata()
+    tokens = metadata["tokenizer.ggml.tokens"]
+    tokenizer = GGUFTokenizer.from_metadata(metadata)
+    ids = tokenizer.encode("Hello world")
+    assert ids == [1, tokens.index("\u2581Hello"), tokens.index("\u2581world")]   # BOS added
+    assert tokenizer.decode(ids) == "Hello world"
+    ids = tokenizer.encode("H\u00e9", add_bos=False)       # no piece for "é": its UTF-8 bytes
+    assert [tokens[i] for i in ids] == ["\u2581", "H", "<0xC3>", "<0xA9>"]
+    assert tokenizer.decode(ids) == "H\u00e9"
+    assert tokenizer.stop_ids == {2}
+
+
+def test_unknown_tokenizer_kind_is_refused_clearly():
+    from pagedkv.models.errors import ModelFormatError
+    from pagedkv.models.tokenizer import GGUFTokenizer
+    with pytest.raises(ModelFormatError, match="tokenizer.ggml.model, got 'bert'"):
+        GGUFTokenizer.from_metadata({**sentencepiece_metadata(), "tokenizer.ggml.model": "bert"})

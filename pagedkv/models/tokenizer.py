@@ -8,6 +8,13 @@ pre-tokenizer split (``tokenizer.ggml.pre``).  Those map one to one onto a
 tokens (``<|im_start|>`` ...) become special added tokens so that chat
 templates can use them.
 
+A GGUF with ``tokenizer.ggml.model == "llama"`` (Llama 2, TinyLlama, Mistral
+v0.1, ...) stores a SentencePiece BPE: pieces with scores, ``<0xNN>`` byte
+pieces, spaces written as ``▁``.  It becomes a ``tokenizers`` BPE with byte
+fallback whose merges rank pairs by the score of the piece they make, which
+is how SentencePiece's BPE picks its merges (and how Hugging Face converts
+these tokenizers).
+
 Chat prompts are rendered with the model's own ``tokenizer.chat_template``
 (Jinja, through ``jinja2``'s sandbox, as Hugging Face does).  Without
 ``jinja2``, ChatML templates (SmolLM2, Qwen, ...) fall back to a built-in
@@ -111,35 +118,28 @@ class GGUFTokenizer:
         Raises
         ------
         ModelFormatError
-            No tokenizer in the file, or one that is not byte-level BPE.
+            No tokenizer in the file, or one of another kind than byte-level
+            BPE (``gpt2``) or SentencePiece BPE (``llama``).
         MissingDependencyError
             ``tokenizers`` is not installed.
         """
         _import_tokenizers()
-        from tokenizers import AddedToken, Tokenizer, decoders, models
+        from tokenizers import AddedToken
         kind = metadata.get("tokenizer.ggml.model")
-        if kind != "gpt2":
+        if kind not in ("gpt2", "llama"):
             raise ModelFormatError(
-                f"tokenizer: expected a byte-level BPE tokenizer (tokenizer.ggml.model 'gpt2'), "
-                f"got {kind!r}" + (" (SentencePiece)" if kind == "llama" else ""))
+                f"tokenizer: expected a byte-level BPE ('gpt2') or SentencePiece BPE ('llama') "
+                f"tokenizer.ggml.model, got {kind!r}")
         tokens = list(metadata.get("tokenizer.ggml.tokens") or [])
-        merges = list(metadata.get("tokenizer.ggml.merges") or [])
-        if not tokens or not merges:
-            raise ModelFormatError("tokenizer: the GGUF lacks tokenizer.ggml.tokens or "
-                                   "tokenizer.ggml.merges")
+        if not tokens:
+            raise ModelFormatError("tokenizer: the GGUF lacks tokenizer.ggml.tokens")
         types = list(metadata.get("tokenizer.ggml.token_type") or [_NORMAL] * len(tokens))
-        vocab = {text: i for i, text in enumerate(tokens)}
-        if len(vocab) != len(tokens):
+        if len(set(tokens)) != len(tokens):
             raise ModelFormatError("tokenizer: tokenizer.ggml.tokens has duplicate entries")
-        pairs = []
-        for merge in merges:
-            left, sep, right = merge.partition(" ")
-            if not sep:
-                raise ModelFormatError(f"tokenizer: malformed merge {merge!r}")
-            pairs.append((left, right))
-        tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False))
-        tokenizer.pre_tokenizer = _pre_tokenizer(metadata.get("tokenizer.ggml.pre", "default"))
-        tokenizer.decoder = decoders.ByteLevel()
+        if kind == "gpt2":
+            tokenizer = _byte_level_bpe(tokens, metadata)
+        else:
+            tokenizer = _sentencepiece_bpe(tokens, types, metadata)
         special = [i for i, t in enumerate(types) if t == _CONTROL]
         user_defined = [i for i, t in enumerate(types) if t == _USER_DEFINED]
         tokenizer.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
@@ -156,9 +156,10 @@ class GGUFTokenizer:
         stop_ids = {i for i in (eos_id, token_id("tokenizer.ggml.eot_token_id"),
                                 token_id("tokenizer.ggml.eom_token_id")) if i is not None}
         stop_ids |= {i for i in special if tokens[i] in _END_OF_TURN_TEXTS}
+        # llama.cpp's default: SentencePiece vocabularies add BOS, byte-level ones do not.
+        add_bos = metadata.get("tokenizer.ggml.add_bos_token", kind == "llama")
         return cls(tokenizer, token_texts=tokens, bos_id=bos_id, eos_id=eos_id,
-                   add_bos=bool(metadata.get("tokenizer.ggml.add_bos_token", False))
-                   and bos_id is not None,
+                   add_bos=bool(add_bos) and bos_id is not None,
                    stop_ids=stop_ids, chat_template=metadata.get("tokenizer.chat_template"))
 
     # -- text <-> ids ---------------------------------------------------------------
@@ -214,6 +215,57 @@ class GGUFTokenizer:
         """Token ids of ``messages`` rendered by :meth:`apply_chat_template`."""
         return self.encode(self.apply_chat_template(
             messages, add_generation_prompt=add_generation_prompt))
+
+
+def _byte_level_bpe(tokens, metadata):
+    """A ``tokenizers.Tokenizer`` for a GGUF byte-level BPE (``tokenizer.ggml.model == "gpt2"``)."""
+    from tokenizers import Tokenizer, decoders, models
+    merges = list(metadata.get("tokenizer.ggml.merges") or [])
+    if not merges:
+        raise ModelFormatError("tokenizer: the GGUF lacks tokenizer.ggml.merges")
+    pairs = []
+    for merge in merges:
+        left, sep, right = merge.partition(" ")
+        if not sep:
+            raise ModelFormatError(f"tokenizer: malformed merge {merge!r}")
+        pairs.append((left, right))
+    vocab = {text: i for i, text in enumerate(tokens)}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False))
+    tokenizer.pre_tokenizer = _pre_tokenizer(metadata.get("tokenizer.ggml.pre", "default"))
+    tokenizer.decoder = decoders.ByteLevel()
+    return tokenizer
+
+
+def _sentencepiece_bpe(tokens, types, metadata):
+    """A ``tokenizers.Tokenizer`` for a GGUF SentencePiece BPE (``tokenizer.ggml.model == "llama"``)."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+    scores = list(metadata.get("tokenizer.ggml.scores") or [])
+    if len(scores) != len(tokens):
+        raise ModelFormatError("tokenizer: a SentencePiece GGUF needs tokenizer.ggml.scores, one "
+                               "per token")
+    vocab = {text: i for i, text in enumerate(tokens)}
+    mergeable = [i for i, t in enumerate(types) if t in (_NORMAL, _USER_DEFINED)]
+    merges = []
+    for i in mergeable:
+        piece = tokens[i]
+        for cut in range(1, len(piece)):
+            left, right = piece[:cut], piece[cut:]
+            if left in vocab and right in vocab:
+                merges.append((-scores[i], len(left), len(right), left, right))
+    # The higher the merged piece's score, the earlier the merge.
+    merges.sort(key=lambda m: m[:3])
+    unk_id = metadata.get("tokenizer.ggml.unknown_token_id")
+    unk = tokens[int(unk_id)] if unk_id is not None and 0 <= int(unk_id) < len(tokens) else None
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[m[3:] for m in merges], unk_token=unk,
+                                     fuse_unk=True, byte_fallback=True))
+    add_space_prefix = bool(metadata.get("tokenizer.ggml.add_space_prefix", True))
+    steps = [normalizers.Prepend("\u2581")] if add_space_prefix else []
+    tokenizer.normalizer = normalizers.Sequence(steps + [normalizers.Replace(" ", "\u2581")])
+    decode = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if add_space_prefix:
+        decode.append(decoders.Strip(" ", 1, 0))
+    tokenizer.decoder = decoders.Sequence(decode)
+    return tokenizer
 
 
 def _template_renderer(template, tokenizer):
