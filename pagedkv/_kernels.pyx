@@ -21,6 +21,8 @@ cdef extern from "pkv_simd.h" nogil:
     void pkv_halves_to_floats(const uint16_t* src, float* dst, int n)
     void pkv_scores(const float* q, int nq, const float* k, int nt, int n, float* scores, int ld)
     void pkv_rescale_accumulate(float* y, float alpha, const float* p, const float* x, int nt, int n)
+    void pkv_rescale_accumulate4(float* acc, const float* alpha, const float* p, int ld,
+                                 const float* x, int nt, int n)
     void pkv_prefetch(const void* p, long nbytes)
 
 ctypedef fused storage_t:
@@ -95,9 +97,6 @@ def gather(storage_t[:, :, :, ::1] pool, const int64_t[::1] slots, float[:, :, :
 # items of a query block by log-sum-exp.
 
 cdef enum:
-    _PREFETCH_PAGES = 2
-
-cdef enum:
     W_SEQ = 0
     W_KV_HEAD = 1
     W_ROW0 = 2
@@ -111,70 +110,96 @@ cdef void attend_item(const float[:, :, ::1] q,
                       storage_t[:, :, :, ::1] k_pool, storage_t[:, :, :, ::1] v_pool,
                       const int32_t[::1] query_start, const int32_t[::1] seq_lens,
                       const int32_t[::1] page_indptr, const int32_t[::1] page_indices,
-                      const int32_t* item, float scale,
+                      const int32_t* item, int heads_per_item, float scale,
                       float* acc, float* run_max, float* run_sum, float* scratch) noexcept nogil:
-    """One work item: leaves unnormalised ``acc`` [nq, D], ``run_max``, ``run_sum`` [nq].
+    """One work item over KV heads ``h0 : h0 + heads_per_item``.
 
-    ``scratch`` holds nq*D + nq*page_size + 2*page_size*D floats.
+    Leaves unnormalised ``acc`` [heads_per_item * nq, D] and ``run_max``,
+    ``run_sum`` [heads_per_item * nq], head-major, where nq = rows * group.
+    ``scratch`` holds heads_per_item*nq*D + nq*page_size + 2*page_size*D + nq floats.
     """
-    cdef int b = item[W_SEQ], h = item[W_KV_HEAD]
+    cdef int b = item[W_SEQ], h0 = item[W_KV_HEAD]
     cdef int row0 = item[W_ROW0], row1 = item[W_ROW1], key0 = item[W_KEY0], key1 = item[W_KEY1]
     cdef int D = q.shape[2], ps = k_pool.shape[2]
     cdef int group = q.shape[1] // k_pool.shape[1]
     cdef int nq = (row1 - row0) * group
     # position of query row r is first_pos + r: rows are the sequence's newest tokens
     cdef int first_pos = seq_lens[b] - (query_start[b + 1] - query_start[b]) - query_start[b]
-    cdef int qi, d, t, j, t0, t1, nt, limit, page, next_page
+    cdef int qi, x, hh, h, d, t, j, t0, t1, nt, limit, page, next_page
     cdef int last_page = (key1 + ps - 1) // ps
-    cdef float m_new, alpha, total
-    cdef float* queries = scratch                   # [nq, D], pre-scaled
-    cdef float* scores = queries + nq * D           # [nq, ps]
-    cdef float* k_scratch = scores + nq * ps        # [ps, D] (float16 pools only)
+    cdef float m_new, total
+    cdef float* queries = scratch                           # [heads, nq, D], pre-scaled
+    cdef float* scores = queries + heads_per_item * nq * D  # [nq, ps]
+    cdef float* k_scratch = scores + nq * ps                # [ps, D] (float16 pools only)
     cdef float* v_scratch = k_scratch + ps * D
+    cdef float* alphas = v_scratch + ps * D                 # [nq]
     cdef const float* keys
     cdef const float* values
     cdef const float* qv
     cdef float* s
+    cdef float* head_acc
+    cdef float* head_max
+    cdef float* head_sum
 
-    for qi in range(nq):
-        run_max[qi] = -INFINITY
-        run_sum[qi] = 0.0
-        qv = &q[row0 + qi // group, h * group + qi % group, 0]
+    for x in range(heads_per_item * nq):
+        run_max[x] = -INFINITY
+        run_sum[x] = 0.0
+        qi = x % nq
+        qv = &q[row0 + qi // group, (h0 + x // nq) * group + qi % group, 0]
         for d in range(D):
-            acc[qi * D + d] = 0.0
-            queries[qi * D + d] = qv[d] * scale
+            acc[x * D + d] = 0.0
+            queries[x * D + d] = qv[d] * scale
 
     for j in range(key0 // ps, last_page):
-        # pages are scattered, so the hardware prefetcher loses the stream at
-        # every page: ask for a later page while this one computes
-        if j + _PREFETCH_PAGES < last_page:
-            next_page = page_indices[page_indptr[b] + j + _PREFETCH_PAGES]
-            pkv_prefetch(&k_pool[next_page, h, 0, 0], ps * D * sizeof(storage_t))
-            pkv_prefetch(&v_pool[next_page, h, 0, 0], ps * D * sizeof(storage_t))
         page = page_indices[page_indptr[b] + j]
+        # pages are scattered: touch the next one early so that the hardware
+        # prefetcher has its stream going when we get there
+        if j + 1 < last_page:
+            next_page = page_indices[page_indptr[b] + j + 1]
+            pkv_prefetch(&k_pool[next_page, h0, 0, 0], heads_per_item * ps * D * sizeof(storage_t))
+            pkv_prefetch(&v_pool[next_page, h0, 0, 0], heads_per_item * ps * D * sizeof(storage_t))
         t0 = max(key0, j * ps) - j * ps
         t1 = min(key1, (j + 1) * ps) - j * ps
         nt = t1 - t0
-        keys = as_floats(&k_pool[page, h, t0, 0], nt * D, k_scratch)
-        values = as_floats(&v_pool[page, h, t0, 0], nt * D, v_scratch)
-        pkv_scores(queries, nq, keys, nt, D, scores, ps)
-        for qi in range(nq):
-            # causal: keys at positions <= the query's own position
-            limit = min(nt, first_pos + row0 + qi // group - j * ps - t0 + 1)
-            if limit <= 0:
-                continue
-            s = scores + qi * ps
-            m_new = run_max[qi]
-            for t in range(limit):
-                m_new = max(m_new, s[t])
-            total = 0.0
-            for t in range(limit):
-                s[t] = expf(s[t] - m_new)
-                total = total + s[t]
-            alpha = expf(run_max[qi] - m_new)
-            run_max[qi] = m_new
-            run_sum[qi] = run_sum[qi] * alpha + total
-            pkv_rescale_accumulate(acc + qi * D, alpha, s, values, limit, D)
+        for hh in range(heads_per_item):
+            h = h0 + hh
+            head_acc = acc + hh * nq * D
+            head_max = run_max + hh * nq
+            head_sum = run_sum + hh * nq
+            keys = as_floats(&k_pool[page, h, t0, 0], nt * D, k_scratch)
+            values = as_floats(&v_pool[page, h, t0, 0], nt * D, v_scratch)
+            pkv_scores(queries + hh * nq * D, nq, keys, nt, D, scores, ps)
+            # online softmax per query; scores become weights, zero past the
+            # query's causal limit, so that queries can share one accumulation
+            for qi in range(nq):
+                limit = min(nt, first_pos + row0 + qi // group - j * ps - t0 + 1)
+                s = scores + qi * ps
+                alphas[qi] = 1.0
+                if limit <= 0:
+                    for t in range(nt):
+                        s[t] = 0.0
+                    continue
+                m_new = head_max[qi]
+                for t in range(limit):
+                    m_new = max(m_new, s[t])
+                total = 0.0
+                for t in range(limit):
+                    s[t] = expf(s[t] - m_new)
+                    total = total + s[t]
+                for t in range(limit, nt):
+                    s[t] = 0.0
+                alphas[qi] = expf(head_max[qi] - m_new)
+                head_max[qi] = m_new
+                head_sum[qi] = head_sum[qi] * alphas[qi] + total
+            qi = 0
+            while qi + 4 <= nq:
+                pkv_rescale_accumulate4(head_acc + qi * D, alphas + qi, scores + qi * ps, ps,
+                                        values, nt, D)
+                qi += 4
+            while qi < nq:
+                pkv_rescale_accumulate(head_acc + qi * D, alphas[qi], scores + qi * ps, values,
+                                       nt, D)
+                qi += 1
 
 
 def paged_attention(const float[:, :, ::1] q,
@@ -182,8 +207,8 @@ def paged_attention(const float[:, :, ::1] q,
                     const int32_t[::1] query_start, const int32_t[::1] seq_lens,
                     const int32_t[::1] page_indptr, const int32_t[::1] page_indices,
                     const int32_t[:, ::1] items, const int32_t[::1] item_offsets,
-                    int max_queries_per_item, float scale, float[:, :, ::1] out,
-                    int num_threads):
+                    int heads_per_item, int max_rows_per_item, float scale,
+                    float[:, :, ::1] out, int num_threads):
     """Causal paged attention of a ragged batch; see ``pagedkv.backends.host``.
 
     Parameters
@@ -191,23 +216,28 @@ def paged_attention(const float[:, :, ::1] q,
     q : float32 [T, num_heads, D]
     k_pool, v_pool : [num_pages, num_kv_heads, page_size, D], float32 or float16 bits
     items : int32 [W, 6]
-        (seq, kv_head, row0, row1, key0, key1) per work item; the items of one
-        query block are contiguous.
+        (seq, first kv_head, row0, row1, key0, key1) per work item; an item
+        covers KV heads ``kv_head : kv_head + heads_per_item``.
     item_offsets : int32 [M + 1]
-        Query block ``m`` owns items ``item_offsets[m]:item_offsets[m+1]``.
+        Query block ``m`` owns items ``item_offsets[m]:item_offsets[m+1]``
+        (more than one when its key range is split).
+    max_rows_per_item : int
+        The most query rows of any item.
     out : float32 [T, num_heads, D]
     num_threads : int
         OpenMP threads (ignored in a build without OpenMP).
     """
     cdef Py_ssize_t W = items.shape[0], M = item_offsets.shape[0] - 1
-    cdef int D = q.shape[2], ps = k_pool.shape[2], nq_max = max_queries_per_item
-    acc_buf = np.empty((W, nq_max, D), dtype=np.float32)
-    max_buf = np.empty((W, nq_max), dtype=np.float32)
-    sum_buf = np.empty((W, nq_max), dtype=np.float32)
+    cdef int D = q.shape[2], ps = k_pool.shape[2], group = q.shape[1] // k_pool.shape[1]
+    cdef int nq_max = max_rows_per_item * group
+    acc_buf = np.empty((W, heads_per_item * nq_max, D), dtype=np.float32)
+    max_buf = np.empty((W, heads_per_item * nq_max), dtype=np.float32)
+    sum_buf = np.empty((W, heads_per_item * nq_max), dtype=np.float32)
     cdef float[:, :, ::1] acc = acc_buf
     cdef float[:, ::1] run_max = max_buf, run_sum = sum_buf
     # one scratch row per thread: queries, scores and converted float16 pages
-    scratch_buf = np.empty((num_threads, nq_max * D + nq_max * ps + 2 * ps * D), dtype=np.float32)
+    scratch_buf = np.empty((num_threads, heads_per_item * nq_max * D + nq_max * (ps + 1)
+                            + 2 * ps * D), dtype=np.float32)
     cdef float[:, ::1] scratch = scratch_buf
     cdef Py_ssize_t w, m
     if W == 0:
@@ -215,37 +245,38 @@ def paged_attention(const float[:, :, ::1] q,
     with nogil:
         for w in prange(W, schedule="dynamic", num_threads=num_threads):
             attend_item(q, k_pool, v_pool, query_start, seq_lens, page_indptr, page_indices,
-                        &items[w, 0], scale, &acc[w, 0, 0], &run_max[w, 0], &run_sum[w, 0],
-                        &scratch[threadid(), 0])
+                        &items[w, 0], heads_per_item, scale, &acc[w, 0, 0], &run_max[w, 0],
+                        &run_sum[w, 0], &scratch[threadid(), 0])
         for m in prange(M, schedule="static", num_threads=num_threads):
-            merge_partials(&items[0, 0], item_offsets[m], item_offsets[m + 1], q.shape[1] // k_pool.shape[1],
-                           acc, run_max, run_sum, out)
+            merge_partials(&items[0, 0], item_offsets[m], item_offsets[m + 1], group,
+                           heads_per_item, acc, run_max, run_sum, out)
 
 
 cdef void merge_partials(const int32_t* items, int first, int last, int group,
-                         float[:, :, ::1] acc, float[:, ::1] run_max, float[:, ::1] run_sum,
-                         float[:, :, ::1] out) noexcept nogil:
+                         int heads_per_item, float[:, :, ::1] acc, float[:, ::1] run_max,
+                         float[:, ::1] run_sum, float[:, :, ::1] out) noexcept nogil:
     """Combine items ``first:last`` (one query block, key ranges split) into ``out``."""
     cdef const int32_t* item = items + first * W_FIELDS
-    cdef int h = item[W_KV_HEAD], row0 = item[W_ROW0], row1 = item[W_ROW1]
+    cdef int h0 = item[W_KV_HEAD], row0 = item[W_ROW0], row1 = item[W_ROW1]
     cdef int D = acc.shape[2], nq = (row1 - row0) * group
-    cdef int qi, w, d
+    cdef int x, qi, w, d
     cdef float m, total, weight
     cdef float* dst
-    for qi in range(nq):
+    for x in range(heads_per_item * nq):
+        qi = x % nq
         m = -INFINITY
         for w in range(first, last):
-            m = max(m, run_max[w, qi])
-        dst = &out[row0 + qi // group, h * group + qi % group, 0]
+            m = max(m, run_max[w, x])
+        dst = &out[row0 + qi // group, (h0 + x // nq) * group + qi % group, 0]
         for d in range(D):
             dst[d] = 0.0
         total = 0.0
         if m == -INFINITY:
             continue        # no key at all (cannot happen for a causal query); output 0
         for w in range(first, last):
-            weight = expf(run_max[w, qi] - m)
-            total = total + run_sum[w, qi] * weight
+            weight = expf(run_max[w, x] - m)
+            total = total + run_sum[w, x] * weight
             for d in range(D):
-                dst[d] = dst[d] + acc[w, qi, d] * weight
+                dst[d] = dst[d] + acc[w, x, d] * weight
         for d in range(D):
             dst[d] = dst[d] / total

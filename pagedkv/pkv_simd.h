@@ -24,25 +24,44 @@ static inline void pkv_halves_to_floats(const uint16_t *restrict src, float *res
     for (; i < n; i++) dst[i] = pkv_half_to_float(src[i]);
 }
 
+#if defined(__GNUC__) || defined(__clang__)
+/* Eight floats at any 4-byte alignment (GCC/Clang vector extension). */
+typedef float pkv_f32x8 __attribute__((vector_size(32), aligned(4)));
+
+static inline float pkv_hsum8(pkv_f32x8 v) {
+    return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
+}
+#endif
+
 /* scores[qi * ld + t] = dot(q[qi], k[t]) for nq queries (rows of q) and nt
- * keys (rows of k), all rows n floats.  Four queries share each key load. */
+ * keys (rows of k), all rows n floats.  Four queries share each key load and
+ * keep their partial sums in registers. */
 static inline void pkv_scores(const float *restrict q, int nq, const float *restrict k, int nt,
                               int n, float *restrict scores, int ld) {
     int qi = 0;
+#if defined(__GNUC__) || defined(__clang__)
+    const int n8 = n & ~7;
     for (; qi + 4 <= nq; qi += 4) {
         const float *q0 = q + qi * n, *q1 = q0 + n, *q2 = q1 + n, *q3 = q2 + n;
         for (int t = 0; t < nt; t++) {
             const float *kt = k + t * n;
-            float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
-            #pragma omp simd reduction(+:s0, s1, s2, s3)
-            for (int i = 0; i < n; i++) {
-                const float kv = kt[i];
-                s0 += q0[i] * kv; s1 += q1[i] * kv; s2 += q2[i] * kv; s3 += q3[i] * kv;
+            pkv_f32x8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+            for (int i = 0; i < n8; i += 8) {
+                const pkv_f32x8 kv = *(const pkv_f32x8 *)(kt + i);
+                a0 += *(const pkv_f32x8 *)(q0 + i) * kv;
+                a1 += *(const pkv_f32x8 *)(q1 + i) * kv;
+                a2 += *(const pkv_f32x8 *)(q2 + i) * kv;
+                a3 += *(const pkv_f32x8 *)(q3 + i) * kv;
+            }
+            float s0 = pkv_hsum8(a0), s1 = pkv_hsum8(a1), s2 = pkv_hsum8(a2), s3 = pkv_hsum8(a3);
+            for (int i = n8; i < n; i++) {
+                s0 += q0[i] * kt[i]; s1 += q1[i] * kt[i]; s2 += q2[i] * kt[i]; s3 += q3[i] * kt[i];
             }
             scores[qi * ld + t] = s0; scores[(qi + 1) * ld + t] = s1;
             scores[(qi + 2) * ld + t] = s2; scores[(qi + 3) * ld + t] = s3;
         }
     }
+#endif
     for (; qi < nq; qi++) {
         for (int t = 0; t < nt; t++) {
             float s = 0.0f;
@@ -66,12 +85,48 @@ static inline void pkv_rescale_accumulate(float *restrict y, float alpha, const 
     }
 }
 
-/* Ask for `bytes` at `p` ahead of use: pages are scattered, so the hardware
- * prefetcher loses the stream at every page boundary. */
+/* For q in 0..3: acc[q*n : q*n+n] = alpha[q] * acc[q*n : ...] + sum over t < nt
+ * of p[q*ld + t] * x[t*n : t*n+n].  Four queries share each load of x, and
+ * each 8-column block of the four accumulators stays in registers across all
+ * nt rows (GCC/Clang vector extensions; plain loops elsewhere). */
+static inline void pkv_rescale_accumulate4(float *restrict acc, const float *restrict alpha,
+                                           const float *restrict p, int ld,
+                                           const float *restrict x, int nt, int n) {
+    int i0 = 0;
+#if defined(__GNUC__) || defined(__clang__)
+    for (; i0 + 8 <= n; i0 += 8) {
+        pkv_f32x8 a0 = *(const pkv_f32x8 *)(acc + i0) * alpha[0];
+        pkv_f32x8 a1 = *(const pkv_f32x8 *)(acc + n + i0) * alpha[1];
+        pkv_f32x8 a2 = *(const pkv_f32x8 *)(acc + 2 * n + i0) * alpha[2];
+        pkv_f32x8 a3 = *(const pkv_f32x8 *)(acc + 3 * n + i0) * alpha[3];
+        for (int t = 0; t < nt; t++) {
+            const pkv_f32x8 xv = *(const pkv_f32x8 *)(x + t * n + i0);
+            a0 += p[t] * xv;
+            a1 += p[ld + t] * xv;
+            a2 += p[2 * ld + t] * xv;
+            a3 += p[3 * ld + t] * xv;
+        }
+        *(pkv_f32x8 *)(acc + i0) = a0;
+        *(pkv_f32x8 *)(acc + n + i0) = a1;
+        *(pkv_f32x8 *)(acc + 2 * n + i0) = a2;
+        *(pkv_f32x8 *)(acc + 3 * n + i0) = a3;
+    }
+#endif
+    for (int q = 0; q < 4; q++)
+        for (int i = i0; i < n; i++) {
+            float a = acc[q * n + i] * alpha[q];
+            for (int t = 0; t < nt; t++) a += p[q * ld + t] * x[t * n + i];
+            acc[q * n + i] = a;
+        }
+}
+
+/* Touch one cache line per 4 KiB of `bytes` at `p`: enough to start the
+ * hardware prefetcher's stream on each memory page ahead of use, without
+ * filling the miss queue with a prefetch per line. */
 static inline void pkv_prefetch(const void *p, long bytes) {
 #if defined(__GNUC__) || defined(__clang__)
     const char *c = (const char *)p;
-    for (long off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 0);
+    for (long off = 0; off < bytes; off += 4096) __builtin_prefetch(c + off, 0, 3);
 #else
     (void)p; (void)bytes;
 #endif

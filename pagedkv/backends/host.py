@@ -70,22 +70,43 @@ class HostBackend(Backend):
     def attention(self, layer, tables, q, scale):
         q = self._host_f32(q)
         group = q.shape[1] // self.num_kv_heads
-        rows_per_block = max(1, _QUERIES_PER_ITEM // group)
         key = ("host_plan", group)
         if key not in tables.cache:
-            items, item_offsets = plan_attention(
-                tables.query_start, tables.seq_lens, num_kv_heads=self.num_kv_heads,
-                page_size=self.page_size, rows_per_block=rows_per_block,
-                target_items=4 * self.num_threads, min_part_tokens=_MIN_PART_TOKENS)
-            rows = items[:, 3] - items[:, 2]
-            tables.cache[key] = items, item_offsets, int(rows.max(initial=0)) * group
-        items, item_offsets, max_queries = tables.cache[key]
+            tables.cache[key] = self._plan(tables, group)
+        items, item_offsets, heads_per_item, max_rows = tables.cache[key]
         out = np.empty_like(q)
         _kernels.paged_attention(
             q, self._kernel_view(self._k[layer]), self._kernel_view(self._v[layer]),
             tables.query_start, tables.seq_lens, tables.page_indptr, tables.page_indices,
-            items, item_offsets, max_queries, float(scale), out, self.num_threads)
+            items, item_offsets, heads_per_item, max_rows, float(scale), out, self.num_threads)
         return out
+
+    def _plan(self, tables, group):
+        """Work items for one step, reused by every layer.
+
+        An item covers as many KV heads as the query budget allows while the
+        batch still has enough items for every thread: one item then streams
+        whole pages (all heads contiguous) instead of one head's slice at a
+        stride, which is what decode speed depends on.
+        """
+        rows_per_block = max(1, _QUERIES_PER_ITEM // group)
+        num_rows = np.diff(tables.query_start)
+        num_blocks = int((-(-num_rows // rows_per_block)).sum())
+        longest = int(num_rows.max(initial=0))
+        heads_per_item = 1
+        for heads in range(self.num_kv_heads, 0, -1):
+            if self.num_kv_heads % heads == 0 and \
+                    heads * min(longest, rows_per_block) * group <= _QUERIES_PER_ITEM and \
+                    num_blocks * (self.num_kv_heads // heads) >= 4 * self.num_threads:
+                heads_per_item = heads
+                break
+        items, item_offsets = plan_attention(
+            tables.query_start, tables.seq_lens, num_kv_heads=self.num_kv_heads,
+            page_size=self.page_size, rows_per_block=rows_per_block,
+            target_items=4 * self.num_threads, min_part_tokens=_MIN_PART_TOKENS,
+            heads_per_item=heads_per_item)
+        max_rows = int((items[:, 3] - items[:, 2]).max(initial=0))
+        return items, item_offsets, heads_per_item, max_rows
 
     def gather(self, layer, slots):
         shape = (len(slots), self._k.shape[2], self._k.shape[4])

@@ -15,7 +15,7 @@ ITEM_FIELDS = 6
 
 
 def plan_attention(query_start, seq_lens, *, num_kv_heads, page_size, rows_per_block,
-                   target_items, min_part_tokens):
+                   target_items, min_part_tokens, heads_per_item=1):
     """Plan the work items of one step.
 
     Parameters
@@ -28,6 +28,9 @@ def plan_attention(query_start, seq_lens, *, num_kv_heads, page_size, rows_per_b
         Split key ranges until about this many items exist.
     min_part_tokens : int
         Never split a key range into parts shorter than this.
+    heads_per_item : int, default 1
+        KV heads per item (a divisor of ``num_kv_heads``): an item's
+        ``kv_head`` field is then the first of ``heads_per_item`` heads.
 
     Returns
     -------
@@ -46,7 +49,8 @@ def plan_attention(query_start, seq_lens, *, num_kv_heads, page_size, rows_per_b
     # keys up to and including the position of the block's last row
     key_end = seq_lens[seq] - (query_start[seq + 1] - row1)
 
-    num_blocks = len(seq) * num_kv_heads
+    num_head_groups = num_kv_heads // heads_per_item
+    num_blocks = len(seq) * num_head_groups
     parts = np.ones(len(seq), dtype=np.int64)
     if 0 < num_blocks < target_items:
         wanted = -(-target_items // num_blocks)
@@ -56,18 +60,18 @@ def plan_attention(query_start, seq_lens, *, num_kv_heads, page_size, rows_per_b
     parts = -(-key_end // part_len)
 
     # expand: block -> kv head -> part, so the parts of one (block, head) are adjacent
-    per_block = parts * num_kv_heads
+    per_block = parts * num_head_groups
     blk = np.repeat(np.arange(len(seq)), per_block)
     within = np.arange(len(blk)) - np.repeat(np.cumsum(per_block) - per_block, per_block)
     head = within // parts[blk]
     part = within % parts[blk]
     items = np.empty((len(blk), ITEM_FIELDS), dtype=np.int32)
     items[:, 0] = seq[blk]
-    items[:, 1] = head
+    items[:, 1] = head * heads_per_item
     items[:, 2] = row0[blk]
     items[:, 3] = row1[blk]
     items[:, 4] = part * part_len[blk]
     items[:, 5] = np.minimum((part + 1) * part_len[blk], key_end[blk])
     item_offsets = np.concatenate(
-        [[0], np.cumsum(np.repeat(parts, num_kv_heads))]).astype(np.int32)
+        [[0], np.cumsum(np.repeat(parts, num_head_groups))]).astype(np.int32)
     return items, item_offsets
