@@ -97,3 +97,14 @@ def test_empty_step_and_zero_new_tokens(backend):
     batch = h.cache.append([], [])
     assert batch.num_seqs == 0 and batch.block_table.shape == (0, 0)
     h.check_contents()
+
+
+def test_decode_batch_of_many_sequences(backend):
+    # enough sequences that a host work item covers several KV heads at once
+    h = make(backend, num_kv_heads=4, group=2, head_dim=64, num_layers=1, page_size=8,
+             num_pages=300)
+    seqs = [h.add() for _ in range(24)]
+    h.step(seqs, [5 + 3 * i for i in range(24)])
+    for _ in range(2):
+        h.step(seqs, 1)
+    h.check_contents()
