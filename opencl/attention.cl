@@ -1,0 +1,445 @@
+/* Paged causal attention over a ragged batch, with split-K.
+ *
+ * A work item (one work-group) is (seq, head group, row0, row1, key0, key1, part):
+ * query rows row0:row1 of one sequence, for the `group` query heads of one
+ * head group, against that sequence's keys at positions key0:key1.  A head
+ * group is a KV head's whole GQA group (so the group's heads share every
+ * K/V row the work-group reads), or 1/sub_groups of it when the group has
+ * more heads than a work-group holds (PKV_NQ).  The work-group walks its key
+ * range in chunks of PKV_CHUNK keys:
+ *
+ *   0. find each key's K/V row through the page table, and (PKV_STAGE_K/V)
+ *      copy the rows into local memory as floats: whole rows, in order, so
+ *      that the pools are read as sequential streams;
+ *   1. scores: the work-items share out tiles of PKV_TB keys x PKV_QB queries,
+ *      each a small register-blocked matrix product over D;
+ *   2. online softmax, one work-item per query, PKV_SW keys at a time: new
+ *      running max, the factor exp(old max - new max) that rescales what was
+ *      accumulated, weights exp(score - max) in place of the scores, running
+ *      sum (all float32);
+ *   3. output: the work-items share out tiles of PKV_QB queries x PKV_CB
+ *      vectors of D, each accumulating weight x V over the chunk's keys.
+ *
+ * An item that covers its rows' whole key range (part < 0) writes the
+ * normalised output.  Otherwise it leaves its unnormalised accumulator, max
+ * and sum in slot `part` of the partial buffers, and merge_partials combines
+ * the parts of each (row block, head group) by log-sum-exp (split-K).
+ *
+ * Every loop runs the same number of times on every work-item of the group
+ * (a count fixed at compile time or derived from the item) and skips excess
+ * work with an `if`: loops like `for (i = lid; i < n; i += WG)` next to a
+ * barrier are miscompiled by some CPU drivers (PoCL 3.0 among them).
+ *
+ * Build options (besides pkv_common.h's):
+ *   PKV_WG      work-group size
+ *   PKV_NQ      most queries (rows x heads of the group) per item; PKV_QB divides it
+ *   PKV_CHUNK   keys per iteration; PKV_TB and PKV_SW divide it
+ *   PKV_QB, PKV_TB, PKV_CB   register tiles: queries, keys, vectors of D
+ *   PKV_SPLIT   work-items per K/V row when staging (divides D / PKV_VW)
+ *   PKV_STAGE_K, PKV_STAGE_V  1: read K (V) rows from a local copy
+ *   PKV_SW      softmax vector width, 1 or 8
+ */
+#include "pkv_common.h"
+
+#if PKV_NQ % PKV_QB || PKV_CHUNK % PKV_TB || PKV_DV % PKV_CB || PKV_DV % PKV_SPLIT \
+    || PKV_CHUNK % PKV_SW
+#error "tile sizes must divide PKV_NQ, PKV_CHUNK and PKV_HEAD_DIM / PKV_VW"
+#endif
+
+#define ITEM_FIELDS 8
+enum { I_SEQ, I_HEAD, I_ROW0, I_ROW1, I_KEY0, I_KEY1, I_PART };
+
+#define PKV_COL_BLOCKS (PKV_DV / PKV_CB)
+#define PKV_OUT_TILES ((PKV_NQ / PKV_QB) * PKV_COL_BLOCKS)
+#define PKV_OUT_PER_WI PKV_CEIL(PKV_OUT_TILES, PKV_WG)
+#define PKV_SEGMENT (PKV_DV / PKV_SPLIT)     /* vectors one work-item copies per row */
+
+/* full unrolling keeps register tiles in registers */
+#define PKV_UNROLL _Pragma("unroll")
+#define PKV_MIN(a, b) ((a) < (b) ? (a) : (b))
+#define PKV_MAX(a, b) ((a) > (b) ? (a) : (b))
+
+/* Where phases 1 and 3 read key rows: a local float copy, or the pool itself. */
+#if PKV_STAGE_K
+#define PKV_K_ROW(t) (k_tile + (t) * PKV_DV)
+#define PKV_K_VEC(row, d) ((row)[d])
+typedef __local const pkv_vec* pkv_k_row;
+#else
+#define PKV_K_ROW(t) (k_pool + key_row[t])
+#define PKV_K_VEC(row, d) PKV_VLOAD_S((d), (row))
+typedef __global const pkv_storage* pkv_k_row;
+#endif
+#if PKV_STAGE_V
+#define PKV_V_ROW(t) (v_tile + (t) * PKV_DV)
+#define PKV_V_VEC(row, d) ((row)[d])
+typedef __local const pkv_vec* pkv_v_row;
+#else
+#define PKV_V_ROW(t) (v_pool + key_row[t])
+#define PKV_V_VEC(row, d) PKV_VLOAD_S((d), (row))
+typedef __global const pkv_storage* pkv_v_row;
+#endif
+
+/* -- softmax vectors of PKV_SW floats --------------------------------------------- */
+#if PKV_SW == 8
+typedef float8 pkv_svec;
+typedef int8 pkv_sivec;
+#define PKV_AS_SVEC as_float8
+#define PKV_AS_SIVEC as_int8
+#define PKV_SLANES ((int8)(0, 1, 2, 3, 4, 5, 6, 7))
+inline float pkv_hmax(float8 x) {
+    const float4 a = x.lo > x.hi ? x.lo : x.hi;
+    const float2 b = a.lo > a.hi ? a.lo : a.hi;
+    return b.s0 > b.s1 ? b.s0 : b.s1;
+}
+#define PKV_SSUM(x) PKV_HSUM8(x)
+#elif PKV_SW == 1
+typedef float pkv_svec;
+typedef int pkv_sivec;
+#define PKV_AS_SVEC as_float
+#define PKV_AS_SIVEC as_int
+#define PKV_SLANES 0
+#define pkv_hmax(x) (x)
+#define PKV_SSUM(x) (x)
+#else
+#error "PKV_SW must be 1 or 8"
+#endif
+#define PKV_HSUM8(x) ((((x).s0 + (x).s1) + ((x).s2 + (x).s3)) + \
+                      (((x).s4 + (x).s5) + ((x).s6 + (x).s7)))
+
+/* pkv_exp (pkv_common.h) on PKV_SW lanes at once; x <= 0, -inf or NaN */
+inline pkv_svec pkv_exp_s(pkv_svec x) {
+    const pkv_svec t = x * 1.44269504f;
+    const pkv_svec shifted = t + 12582912.0f;     /* low mantissa bits hold round(t) */
+    const pkv_svec n = shifted - 12582912.0f;
+    const pkv_sivec ni = PKV_AS_SIVEC(shifted) - 0x4B400000;
+    const pkv_svec r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+    const pkv_svec z = r * r;
+    pkv_svec p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    const pkv_svec e = (p * z + r + 1.0f) * PKV_AS_SVEC((ni + 127) << 23);
+    /* below -87.3 (and -inf): 0; NaN stays NaN */
+    return x >= -87.3f ? e : (x != x ? x : (pkv_svec)(0.0f));
+}
+
+/* dot[i][j] -> scores: 8 horizontal sums at once when the tile holds 8 float8s */
+#if PKV_VW == 8 && PKV_TB * PKV_QB == 8
+#define PKV_PAIRS(a, b) ((float8)((a).even, (b).even) + (float8)((a).odd, (b).odd))
+inline float8 pkv_hsum8x8(float8 a0, float8 a1, float8 a2, float8 a3,
+                          float8 a4, float8 a5, float8 a6, float8 a7) {
+    const float8 c0 = PKV_PAIRS(PKV_PAIRS(a0, a1), PKV_PAIRS(a2, a3));
+    const float8 c1 = PKV_PAIRS(PKV_PAIRS(a4, a5), PKV_PAIRS(a6, a7));
+    return PKV_PAIRS(c0, c1);    /* lane n = sum of a_n */
+}
+#define PKV_FAST_HSUM 1
+#else
+#define PKV_FAST_HSUM 0
+#endif
+
+__kernel __attribute__((reqd_work_group_size(PKV_WG, 1, 1)))
+void paged_attention(__global const float* q,              /* [T, num_heads, D] */
+                     __global const pkv_storage* k_pool,   /* [pages, H, page_size, D] */
+                     __global const pkv_storage* v_pool,
+                     __global const int* query_start,      /* [B+1] */
+                     __global const int* seq_lens,         /* [B] */
+                     __global const int* page_indptr,      /* [B+1] */
+                     __global const int* page_indices,     /* [nnz] */
+                     __global const int* items,            /* [W, ITEM_FIELDS] */
+                     const int group, const int num_groups, const int sub_groups,
+                     const int page_size, const int num_pages, const int nnz, const float scale,
+                     __global float* out,                  /* [T, num_heads, D] */
+                     __global float* part_acc,             /* [P, PKV_NQ, D] */
+                     __global float* part_max,             /* [P, PKV_NQ] */
+                     __global float* part_sum) {
+    /* scores, then softmax weights, per query */
+    __local pkv_svec scores_v[PKV_NQ * PKV_CHUNK / PKV_SW];
+    __local float* scores = (__local float*)scores_v;
+    __local ulong key_row[PKV_CHUNK];           /* element offset of each key's K/V row */
+    __local int key_ok[PKV_CHUNK];
+    __local float run_max[PKV_NQ], run_sum[PKV_NQ], rescale[PKV_NQ];
+    __local int num_visible[PKV_NQ];            /* keys of the chunk a query sees: a prefix */
+#if PKV_STAGE_K
+    __local pkv_vec k_tile[PKV_CHUNK * PKV_DV];
+#endif
+#if PKV_STAGE_V
+    __local pkv_vec v_tile[PKV_CHUNK * PKV_DV];
+#endif
+
+    const int lid = get_local_id(0);
+    __global const int* item = items + (size_t)get_group_id(0) * ITEM_FIELDS;
+    const int b = item[I_SEQ], h = item[I_HEAD], kv_head = h / sub_groups;
+    const int row0 = item[I_ROW0], row1 = item[I_ROW1];
+    const int key0 = item[I_KEY0], key1 = item[I_KEY1], part = item[I_PART];
+    const int num_kv_heads = num_groups / sub_groups, num_heads = num_groups * group;
+    const int nq = (row1 - row0) * group;       /* query qi: row row0 + qi / group, head h * group + qi % group */
+    const int query_blocks = PKV_CEIL(nq, PKV_QB);
+    const int out_tiles = query_blocks * PKV_COL_BLOCKS;   /* <= PKV_OUT_TILES */
+    /* row r sits at position first_pos + r: a step's rows are its sequence's newest tokens */
+    const int first_pos = seq_lens[b] - (query_start[b + 1] - query_start[b]) - query_start[b];
+    const int pages_begin = page_indptr[b], pages_end = PKV_MIN(page_indptr[b + 1], nnz);
+
+    for (int k = 0; k < PKV_CEIL(nq, PKV_WG); ++k) {
+        const int qi = lid + k * PKV_WG;
+        if (qi < nq) {
+            run_max[qi] = -INFINITY;
+            run_sum[qi] = 0.0f;
+        }
+    }
+    pkv_vec acc[PKV_OUT_PER_WI][PKV_QB][PKV_CB];
+    for (int k = 0; k < PKV_OUT_PER_WI; ++k)
+        PKV_UNROLL
+        for (int j = 0; j < PKV_QB; ++j)
+            PKV_UNROLL
+            for (int c = 0; c < PKV_CB; ++c) acc[k][j][c] = 0.0f;
+
+    for (int c0 = key0; c0 < key1; c0 += PKV_CHUNK) {
+        const int n_keys = PKV_MIN(PKV_CHUNK, key1 - c0);
+        const int key_blocks = PKV_CEIL(n_keys, PKV_TB);
+        const int n_rows = key_blocks * PKV_TB;     /* whole tiles: n_keys rounded up */
+        const int score_tiles = query_blocks * key_blocks;
+
+        /* 0. K/V rows of the chunk's keys.  A missing or out-of-range page id (a
+              corrupt table) is masked; keys past n_keys point at row 0 so that
+              whole tiles load in bounds. */
+        for (int k = 0; k < PKV_CEIL(PKV_CHUNK, PKV_WG); ++k) {
+            const int t = lid + k * PKV_WG;
+            if (t < PKV_CHUNK) {
+                ulong row = 0;
+                int ok = 0;
+                if (t < n_keys) {
+                    const int pos = c0 + t, j = pages_begin + pos / page_size;
+                    const int page = j < pages_end ? page_indices[j] : -1;
+                    if (page >= 0 && page < num_pages) {
+                        row = pkv_row(page, kv_head, pos % page_size, num_kv_heads, page_size);
+                        ok = 1;
+                    }
+                }
+                key_row[t] = row;
+                key_ok[t] = ok;
+            }
+        }
+        barrier(CLK_LOCAL_MEM_FENCE);
+#if PKV_STAGE_K || PKV_STAGE_V
+        /* copy the rows as floats; PKV_SPLIT work-items share a row */
+        for (int k = 0; k < PKV_CEIL(n_rows * PKV_SPLIT, PKV_WG); ++k) {
+            const int u = lid + k * PKV_WG;
+            if (u < n_rows * PKV_SPLIT) {
+                const int t = u / PKV_SPLIT, d0 = (u % PKV_SPLIT) * PKV_SEGMENT;
+                const ulong row = key_row[t];
+                PKV_UNROLL
+                for (int d = d0; d < d0 + PKV_SEGMENT; ++d) {
+#if PKV_STAGE_K
+                    k_tile[t * PKV_DV + d] = PKV_VLOAD_S(d, k_pool + row);
+#endif
+#if PKV_STAGE_V
+                    v_tile[t * PKV_DV + d] = PKV_VLOAD_S(d, v_pool + row);
+#endif
+                }
+            }
+        }
+        barrier(CLK_LOCAL_MEM_FENCE);
+#endif
+
+        /* 1. scores of tiles of PKV_TB keys x PKV_QB queries; keys past a query's
+              own position (causal) get -inf.  Queries past nq repeat the last one. */
+        for (int k = 0; k < PKV_CEIL(score_tiles, PKV_WG); ++k) {
+            const int tile = lid + k * PKV_WG;
+            if (tile < score_tiles) {
+                const int qb = tile / key_blocks, t0 = (tile % key_blocks) * PKV_TB;
+                __global const pkv_vec* qv[PKV_QB];
+                int q_pos[PKV_QB];
+                PKV_UNROLL
+                for (int j = 0; j < PKV_QB; ++j) {
+                    const int qi = PKV_MIN(qb * PKV_QB + j, nq - 1), r = row0 + qi / group;
+                    qv[j] = (__global const pkv_vec*)(
+                        q + ((size_t)r * num_heads + h * group + qi % group) * PKV_D);
+                    q_pos[j] = first_pos + r;
+                }
+                pkv_k_row kr[PKV_TB];
+                PKV_UNROLL
+                for (int i = 0; i < PKV_TB; ++i) kr[i] = PKV_K_ROW(t0 + i);
+                pkv_vec dot[PKV_TB][PKV_QB];
+                PKV_UNROLL
+                for (int i = 0; i < PKV_TB; ++i)
+                    PKV_UNROLL
+                    for (int j = 0; j < PKV_QB; ++j) dot[i][j] = 0.0f;
+                for (int d = 0; d < PKV_DV; ++d) {
+                    pkv_vec kv[PKV_TB];
+                    PKV_UNROLL
+                    for (int i = 0; i < PKV_TB; ++i) kv[i] = PKV_K_VEC(kr[i], d);
+                    PKV_UNROLL
+                    for (int j = 0; j < PKV_QB; ++j) {
+                        const pkv_vec qq = qv[j][d];
+                        PKV_UNROLL
+                        for (int i = 0; i < PKV_TB; ++i) dot[i][j] += qq * kv[i];
+                    }
+                }
+                float sums[PKV_TB][PKV_QB];
+#if PKV_FAST_HSUM
+                const float8 all = pkv_hsum8x8(dot[0][0], dot[0][1], dot[0][2], dot[0][3],
+                                               dot[1][0], dot[1][1], dot[1][2], dot[1][3]);
+                sums[0][0] = all.s0; sums[0][1] = all.s1; sums[0][2] = all.s2; sums[0][3] = all.s3;
+                sums[1][0] = all.s4; sums[1][1] = all.s5; sums[1][2] = all.s6; sums[1][3] = all.s7;
+#else
+                PKV_UNROLL
+                for (int i = 0; i < PKV_TB; ++i)
+                    PKV_UNROLL
+                    for (int j = 0; j < PKV_QB; ++j) sums[i][j] = PKV_HSUM(dot[i][j]);
+#endif
+                PKV_UNROLL
+                for (int i = 0; i < PKV_TB; ++i) {
+                    const int t = t0 + i;
+                    PKV_UNROLL
+                    for (int j = 0; j < PKV_QB; ++j) {
+                        const int qi = qb * PKV_QB + j;
+                        if (qi < nq && t < n_keys)
+                            scores[qi * PKV_CHUNK + t] = key_ok[t] && c0 + t <= q_pos[j]
+                                ? sums[i][j] * scale : -INFINITY;
+                    }
+                }
+            }
+        }
+        barrier(CLK_LOCAL_MEM_FENCE);
+
+        /* 2. online softmax update, one work-item per query, PKV_SW keys at a time.
+              Keys past the query's visible prefix become weight 0 (step 3 reads
+              whole tiles). */
+        for (int k = 0; k < PKV_CEIL(nq, PKV_WG); ++k) {
+            const int qi = lid + k * PKV_WG;
+            if (qi < nq) {
+                __local pkv_svec* s = scores_v + qi * (PKV_CHUNK / PKV_SW);
+                const int seen = first_pos + row0 + qi / group - c0 + 1;
+                const int n_vis = PKV_MAX(0, PKV_MIN(seen, n_keys));
+                const int n_vec = PKV_CEIL(n_rows, PKV_SW);
+                const float m_old = run_max[qi];
+                pkv_svec m_vec = m_old;
+                for (int v = 0; v < n_vec; ++v) {
+                    const pkv_svec x = (PKV_SLANES + v * PKV_SW) < n_vis ? s[v] : (pkv_svec)(-INFINITY);
+                    m_vec = m_vec > x ? m_vec : x;
+                }
+                const float m_new = pkv_hmax(m_vec);
+                /* m_new == -inf: nothing visible yet; exp(-inf - -inf) would be NaN */
+                const float shift = m_new == -INFINITY ? 0.0f : m_new;
+                pkv_svec total = 0.0f;
+                for (int v = 0; v < n_vec; ++v) {
+                    const pkv_svec p = (PKV_SLANES + v * PKV_SW) < n_vis
+                        ? pkv_exp_s(s[v] - shift) : (pkv_svec)(0.0f);
+                    s[v] = p;
+                    total += p;
+                }
+                const float alpha = m_new == -INFINITY ? 1.0f : pkv_exp(m_old - m_new);
+                rescale[qi] = alpha;
+                run_max[qi] = m_new;
+                run_sum[qi] = run_sum[qi] * alpha + PKV_SSUM(total);
+                num_visible[qi] = n_vis;
+            }
+        }
+        barrier(CLK_LOCAL_MEM_FENCE);
+
+        /* 3. acc = acc * alpha + sum_t p_t V_t over tiles of PKV_QB queries x PKV_CB vectors */
+        for (int k = 0; k < PKV_CEIL(out_tiles, PKV_WG); ++k) {
+            const int tile = lid + k * PKV_WG;
+            if (tile < out_tiles) {
+                const int qb = tile / PKV_COL_BLOCKS, v0 = (tile % PKV_COL_BLOCKS) * PKV_CB;
+                __local const float* p[PKV_QB];
+                int t_end = 0;
+                pkv_vec a[PKV_QB][PKV_CB];
+                PKV_UNROLL
+                for (int j = 0; j < PKV_QB; ++j) {
+                    const int qi = PKV_MIN(qb * PKV_QB + j, nq - 1);
+                    p[j] = scores + qi * PKV_CHUNK;
+                    t_end = PKV_MAX(t_end, num_visible[qi]);
+                    const float alpha = rescale[qi];
+                    PKV_UNROLL
+                    for (int c = 0; c < PKV_CB; ++c) a[j][c] = acc[k][j][c] * alpha;
+                }
+                for (int t = 0; t < t_end; ++t) {
+                    const pkv_v_row vr = PKV_V_ROW(t);
+                    pkv_vec vv[PKV_CB];
+                    PKV_UNROLL
+                    for (int c = 0; c < PKV_CB; ++c) vv[c] = PKV_V_VEC(vr, v0 + c);
+                    PKV_UNROLL
+                    for (int j = 0; j < PKV_QB; ++j) {
+                        const float pj = p[j][t];
+                        PKV_UNROLL
+                        for (int c = 0; c < PKV_CB; ++c) a[j][c] += pj * vv[c];
+                    }
+                }
+                PKV_UNROLL
+                for (int j = 0; j < PKV_QB; ++j)
+                    PKV_UNROLL
+                    for (int c = 0; c < PKV_CB; ++c) acc[k][j][c] = a[j][c];
+            }
+        }
+        barrier(CLK_LOCAL_MEM_FENCE);
+    }
+
+    for (int k = 0; k < PKV_CEIL(out_tiles, PKV_WG); ++k) {
+        const int tile = lid + k * PKV_WG;
+        if (tile < out_tiles) {
+            const int qb = tile / PKV_COL_BLOCKS, v0 = (tile % PKV_COL_BLOCKS) * PKV_CB;
+            PKV_UNROLL
+            for (int j = 0; j < PKV_QB; ++j) {
+                const int qi = qb * PKV_QB + j;
+                if (qi < nq) {
+                    const int r = row0 + qi / group, head = h * group + qi % group;
+                    /* a causal query always sees its own key, so run_sum > 0 */
+                    const float total = run_sum[qi];
+                    const float inv = part < 0 && total > 0.0f ? 1.0f / total : 1.0f;
+                    __global float* dst = part < 0
+                        ? out + ((size_t)r * num_heads + head) * PKV_D
+                        : part_acc + ((size_t)part * PKV_NQ + qi) * PKV_D;
+                    PKV_UNROLL
+                    for (int c = 0; c < PKV_CB; ++c) PKV_VSTORE_F(acc[k][j][c] * inv, v0 + c, dst);
+                }
+            }
+        }
+    }
+    if (part >= 0)
+        for (int k = 0; k < PKV_CEIL(nq, PKV_WG); ++k) {
+            const int qi = lid + k * PKV_WG;
+            if (qi < nq) {
+                part_max[(size_t)part * PKV_NQ + qi] = run_max[qi];
+                part_sum[(size_t)part * PKV_NQ + qi] = run_sum[qi];
+            }
+        }
+}
+
+/* Combine the parts of each split (row block, head group): segment s owns
+ * partial slots seg_parts[s]:seg_parts[s+1]; its first item is seg_items[s]. */
+__kernel __attribute__((reqd_work_group_size(PKV_WG, 1, 1)))
+void merge_partials(__global const int* items, __global const int* seg_items,
+                    __global const int* seg_parts,
+                    __global const float* part_acc,    /* [P, PKV_NQ, D] */
+                    __global const float* part_max,    /* [P, PKV_NQ] */
+                    __global const float* part_sum,
+                    const int group, const int num_groups,
+                    __global float* out) {             /* [T, num_heads, D] */
+    const int s = get_group_id(0), lid = get_local_id(0);
+    __global const int* item = items + (size_t)seg_items[s] * ITEM_FIELDS;
+    const int h = item[I_HEAD], row0 = item[I_ROW0], row1 = item[I_ROW1];
+    const int nq = (row1 - row0) * group, num_heads = num_groups * group;
+    const int first = seg_parts[s], last = seg_parts[s + 1];
+    for (int k = 0; k < PKV_CEIL(nq * PKV_DV, PKV_WG); ++k) {
+        const int e = lid + k * PKV_WG, qi = e / PKV_DV, vec = e % PKV_DV;
+        if (qi < nq) {
+            float m = -INFINITY;
+            for (int w = first; w < last; ++w) m = PKV_MAX(m, part_max[(size_t)w * PKV_NQ + qi]);
+            pkv_vec acc = 0.0f;
+            float total = 0.0f;
+            for (int w = first; w < last; ++w) {
+                const float pm = part_max[(size_t)w * PKV_NQ + qi];
+                /* a part that saw no key of this query (max -inf) weighs nothing */
+                const float weight = pm == -INFINITY ? 0.0f : pkv_exp(pm - m);
+                total += part_sum[(size_t)w * PKV_NQ + qi] * weight;
+                acc += PKV_VLOAD_F(((size_t)w * PKV_NQ + qi) * PKV_DV + vec, part_acc) * weight;
+            }
+            const int r = row0 + qi / group, head = h * group + qi % group;
+            PKV_VSTORE_F(total > 0.0f ? acc / total : (pkv_vec)(0.0f),
+                         ((size_t)r * num_heads + head) * PKV_DV + vec, out);
+        }
+    }
+}

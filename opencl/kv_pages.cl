@@ -1,0 +1,73 @@
+/* Moving K/V in and out of the page pools: scatter by slot, gather by slot,
+ * whole-page copies (copy-on-write), and half -> float conversion of inputs.
+ *
+ * One work-item per vector of PKV_VW elements; consecutive work-items touch
+ * consecutive memory, so accesses coalesce on GPUs and vectorise on CPUs.
+ * Every slot and page id is checked against the pool before it is used:
+ * a bad table can only skip work, never write out of bounds.
+ */
+#include "pkv_common.h"
+
+/* Write row (t, h) of k and v ([T, H, D] float) at slot_mapping[t]; -1 skips. */
+__kernel void scatter_kv(__global const float* k, __global const float* v,
+                         __global const long* slot_mapping,
+                         __global pkv_storage* k_pool, __global pkv_storage* v_pool,
+                         const int num_tokens, const int num_kv_heads, const int page_size,
+                         const long num_slots) {
+    const ulong gid = get_global_id(0);
+    const ulong per_token = (ulong)num_kv_heads * PKV_DV;
+    const ulong t = gid / per_token;
+    if (t >= (ulong)num_tokens) return;
+    const int rest = (int)(gid - t * per_token);
+    const int h = rest / PKV_DV, vec = rest % PKV_DV;
+    const long slot = slot_mapping[t];
+    if (slot < 0 || slot >= num_slots) return;
+    const ulong dst = pkv_row((int)(slot / page_size), h, (int)(slot % page_size),
+                              num_kv_heads, page_size) / PKV_VW + vec;
+    PKV_VSTORE_S(PKV_VLOAD_F(gid, k), dst, k_pool);
+    PKV_VSTORE_S(PKV_VLOAD_F(gid, v), dst, v_pool);
+}
+
+/* k_out[i, h, :] / v_out[i, h, :] ([n, H, D] float) = the pools' rows at slots[i]. */
+__kernel void gather_kv(__global const pkv_storage* k_pool, __global const pkv_storage* v_pool,
+                        __global const long* slots,
+                        __global float* k_out, __global float* v_out,
+                        const int num_slots_wanted, const int num_kv_heads, const int page_size,
+                        const long num_slots) {
+    const ulong gid = get_global_id(0);
+    const ulong per_token = (ulong)num_kv_heads * PKV_DV;
+    const ulong i = gid / per_token;
+    if (i >= (ulong)num_slots_wanted) return;
+    const int rest = (int)(gid - i * per_token);
+    const int h = rest / PKV_DV, vec = rest % PKV_DV;
+    const long slot = slots[i];
+    pkv_vec kv = 0.0f, vv = 0.0f;
+    if (slot >= 0 && slot < num_slots) {
+        const ulong src = pkv_row((int)(slot / page_size), h, (int)(slot % page_size),
+                                  num_kv_heads, page_size) / PKV_VW + vec;
+        kv = PKV_VLOAD_S(src, k_pool);
+        vv = PKV_VLOAD_S(src, v_pool);
+    }
+    PKV_VSTORE_F(kv, gid, k_out);
+    PKV_VSTORE_F(vv, gid, v_out);
+}
+
+/* Page dst[c] = page src[c] in both pools, as raw bits; page_elems = H * page_size * D. */
+__kernel void copy_pages(__global pkv_bits* k_pool, __global pkv_bits* v_pool,
+                         __global const int* src, __global const int* dst,
+                         const int num_copies, const long page_elems, const int num_pages) {
+    const ulong gid = get_global_id(0);
+    const ulong c = gid / (ulong)page_elems;
+    if (c >= (ulong)num_copies) return;
+    const ulong e = gid - c * (ulong)page_elems;
+    const int s = src[c], d = dst[c];
+    if (s < 0 || s >= num_pages || d < 0 || d >= num_pages) return;
+    k_pool[(ulong)d * page_elems + e] = k_pool[(ulong)s * page_elems + e];
+    v_pool[(ulong)d * page_elems + e] = v_pool[(ulong)s * page_elems + e];
+}
+
+/* out[i] = float(in[i]) for IEEE half input (a float16 pyopencl array). */
+__kernel void half_to_float(__global const half* in, __global float* out, const long n) {
+    const ulong i = get_global_id(0);
+    if (i < (ulong)n) out[i] = vload_half(i, in);
+}

@@ -1,0 +1,138 @@
+/* Shared by every pagedkv kernel: storage type, vector loads, pool addressing.
+ *
+ * Build options (set by pagedkv/backends/opencl.py):
+ *   PKV_HALF      1: pools hold IEEE binary16 bits; 0: float
+ *   PKV_HEAD_DIM  D, floats per K/V/Q row
+ *   PKV_VW        floats per vector: 1, 2, 4 or 8, dividing PKV_HEAD_DIM
+ *
+ * Pools are [num_pages, num_kv_heads, page_size, D]; element offsets are
+ * computed in ulong because a pool may hold more than 2**31 elements.
+ *
+ * Loads are plain (aligned) vector dereferences and half -> float is done
+ * with integer arithmetic below rather than with vload / vload_half: some
+ * drivers (PoCL's CPU device among them) do not inline those builtins, and
+ * a call per vector costs several times the memory traffic it serves.  Half
+ * stores, which need round-to-nearest-even, use vstore_half_rte.  Neither
+ * needs cl_khr_fp16.
+ */
+#ifndef PKV_COMMON_H
+#define PKV_COMMON_H
+
+#if !defined(PKV_HALF) || !defined(PKV_HEAD_DIM) || !defined(PKV_VW)
+#error "build with -DPKV_HALF=0|1 -DPKV_HEAD_DIM=D -DPKV_VW=1|2|4|8"
+#endif
+#if PKV_HEAD_DIM % PKV_VW != 0
+#error "PKV_VW must divide PKV_HEAD_DIM"
+#endif
+
+#define PKV_D PKV_HEAD_DIM
+#define PKV_DV (PKV_HEAD_DIM / PKV_VW)     /* vectors per row */
+#define PKV_CEIL(a, b) (((a) + (b) - 1) / (b))
+
+#define PKV_CAT_(a, b) a##b
+#define PKV_CAT(a, b) PKV_CAT_(a, b)
+
+/* -- vectors of PKV_VW floats (and of their storage) -------------------------------- */
+#if PKV_VW == 1
+typedef float pkv_vec;
+typedef uint pkv_uvec;
+typedef ushort pkv_hvec;
+#define PKV_WIDEN(h) ((uint)(h))
+#define PKV_AS_VEC as_float
+#define PKV_AS_UVEC as_uint
+#define PKV_VSTORE_HALF vstore_half
+#define PKV_HSUM(x) (x)
+#elif PKV_VW == 2
+typedef float2 pkv_vec;
+typedef uint2 pkv_uvec;
+typedef ushort2 pkv_hvec;
+#define PKV_AS_VEC as_float2
+#define PKV_AS_UVEC as_uint2
+#define PKV_VSTORE_HALF vstore_half2
+#define PKV_WIDEN(h) ((uint2)((h).s0, (h).s1))
+#define PKV_HSUM(x) ((x).s0 + (x).s1)
+#elif PKV_VW == 4
+typedef float4 pkv_vec;
+typedef uint4 pkv_uvec;
+typedef ushort4 pkv_hvec;
+#define PKV_AS_VEC as_float4
+#define PKV_AS_UVEC as_uint4
+#define PKV_VSTORE_HALF vstore_half4
+#define PKV_WIDEN(h) ((uint4)((h).s0, (h).s1, (h).s2, (h).s3))
+#define PKV_HSUM(x) (((x).s0 + (x).s1) + ((x).s2 + (x).s3))
+#elif PKV_VW == 8
+typedef float8 pkv_vec;
+typedef uint8 pkv_uvec;
+typedef ushort8 pkv_hvec;
+#define PKV_AS_VEC as_float8
+#define PKV_AS_UVEC as_uint8
+#define PKV_VSTORE_HALF vstore_half8
+#define PKV_WIDEN(h) ((uint8)((h).s0, (h).s1, (h).s2, (h).s3, (h).s4, (h).s5, (h).s6, (h).s7))
+#define PKV_HSUM(x) ((((x).s0 + (x).s1) + ((x).s2 + (x).s3)) + \
+                     (((x).s4 + (x).s5) + ((x).s6 + (x).s7)))
+#else
+#error "PKV_VW must be 1, 2, 4 or 8"
+#endif
+
+/* IEEE half bits -> float, exactly (subnormals, infinities and NaN included).
+ * Shift exponent and mantissa into place and rebias the exponent by 112
+ * (by 224 for inf/NaN, so they stay all-ones); a subnormal half comes out
+ * as 2**-14 * (1 + m/1024) and loses the 2**-14 in one exact subtraction,
+ * so no float subnormal is ever formed (nothing for flush-to-zero to eat). */
+inline pkv_vec pkv_half_to_float(pkv_hvec bits) {
+    const pkv_uvec h = PKV_WIDEN(bits);
+    const pkv_uvec shifted = (h & 0x7fffu) << 13;
+    const pkv_uvec exponent = shifted & 0x0f800000u;
+    const pkv_uvec zero = (pkv_uvec)(0u);
+    pkv_uvec biased = shifted + 0x38000000u;
+    biased += exponent == 0x0f800000u ? (pkv_uvec)(0x38000000u) : zero;
+    biased += exponent == 0u ? (pkv_uvec)(0x00800000u) : zero;
+    pkv_vec magnitude = PKV_AS_VEC(biased);
+    magnitude -= exponent == 0u ? (pkv_vec)(0x1p-14f) : (pkv_vec)(0.0f);
+    return PKV_AS_VEC(PKV_AS_UVEC(magnitude) | ((h & 0x8000u) << 16));
+}
+
+/* -- storage ------------------------------------------------------------------------ */
+#if PKV_HALF
+typedef ushort pkv_storage;   /* IEEE half bits */
+typedef ushort pkv_bits;      /* for raw copies */
+#define PKV_VLOAD_S(i, p) pkv_half_to_float(((const __global pkv_hvec*)(p))[i])
+#define PKV_VSTORE_S(x, i, p) PKV_CAT(PKV_VSTORE_HALF, _rte)((x), (i), (__global half*)(p))
+#else
+typedef float pkv_storage;
+typedef uint pkv_bits;
+#define PKV_VLOAD_S(i, p) (((const __global pkv_vec*)(p))[i])
+#define PKV_VSTORE_S(x, i, p) (((__global pkv_vec*)(p))[i] = (x))
+#endif
+/* float data (q, k, v inputs, outputs): aligned vector access */
+#define PKV_VLOAD_F(i, p) (((const __global pkv_vec*)(p))[i])
+#define PKV_VSTORE_F(x, i, p) (((__global pkv_vec*)(p))[i] = (x))
+
+/* exp(x) for the softmax, where x <= 0 (or NaN): Cody-Waite reduction to
+ * x = n ln2 + r, |r| <= ln2/2, and Cephes' degree-6 polynomial for e**r
+ * (about 1 ulp).  Inline arithmetic, unlike a library call that a driver
+ * may not inline.  Results below FLT_MIN (x < -87.3) come out as 0, which
+ * next to the softmax's largest weight of 1 changes nothing. */
+inline float pkv_exp(float x) {
+    const float t = x * 1.44269504f;                       /* x / ln 2 */
+    const float n = (t + 12582912.0f) - 12582912.0f;       /* round to nearest (1.5 * 2**23) */
+    const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+    const float z = r * r;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    const float e = p * z + r + 1.0f;
+    const float result = e * as_float(((int)n + 127) << 23);
+    return x >= -87.3f ? result : (x != x ? x : 0.0f);
+}
+
+/* Element offset of row `offset` (token within page) of `head` in `page`. */
+inline ulong pkv_row(int page, int head, int offset, int num_kv_heads, int page_size) {
+    return (((ulong)page * (ulong)num_kv_heads + (ulong)head) * (ulong)page_size
+            + (ulong)offset) * (ulong)PKV_D;
+}
+
+#endif
