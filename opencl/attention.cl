@@ -53,6 +53,15 @@ enum { I_SEQ, I_HEAD, I_ROW0, I_ROW1, I_KEY0, I_KEY1, I_PART };
 #define PKV_OUT_TILES ((PKV_NQ / PKV_QB) * PKV_COL_BLOCKS)
 #define PKV_OUT_PER_WI PKV_CEIL(PKV_OUT_TILES, PKV_WG)
 #define PKV_SEGMENT (PKV_DV / PKV_SPLIT)     /* vectors one work-item copies per row */
+/* Output tiles a work-item visits: with few, a fixed and unrolled loop keeps
+   acc[][][] in registers (GPU); with many (CPU), stop after the real ones. */
+#if PKV_OUT_PER_WI <= 8
+#define PKV_OUT_LOOP PKV_OUT_PER_WI
+#define PKV_OUT_UNROLL PKV_UNROLL
+#else
+#define PKV_OUT_LOOP PKV_CEIL(out_tiles, PKV_WG)
+#define PKV_OUT_UNROLL
+#endif
 
 /* full unrolling keeps register tiles in registers */
 #define PKV_UNROLL _Pragma("unroll")
@@ -126,7 +135,7 @@ inline pkv_svec pkv_exp_s(pkv_svec x) {
 }
 
 /* dot[i][j] -> scores: 8 horizontal sums at once when the tile holds 8 float8s */
-#if PKV_VW == 8 && PKV_TB * PKV_QB == 8
+#if PKV_VW == 8 && PKV_TB * PKV_QB == 8   /* tile n = i * PKV_QB + j */
 #define PKV_PAIRS(a, b) ((float8)((a).even, (b).even) + (float8)((a).odd, (b).odd))
 inline float8 pkv_hsum8x8(float8 a0, float8 a1, float8 a2, float8 a3,
                           float8 a4, float8 a5, float8 a6, float8 a7) {
@@ -189,6 +198,7 @@ void paged_attention(__global const float* q,              /* [T, num_heads, D] 
         }
     }
     pkv_vec acc[PKV_OUT_PER_WI][PKV_QB][PKV_CB];
+    PKV_OUT_UNROLL
     for (int k = 0; k < PKV_OUT_PER_WI; ++k)
         PKV_UNROLL
         for (int j = 0; j < PKV_QB; ++j)
@@ -279,10 +289,14 @@ void paged_attention(__global const float* q,              /* [T, num_heads, D] 
                 }
                 float sums[PKV_TB][PKV_QB];
 #if PKV_FAST_HSUM
-                const float8 all = pkv_hsum8x8(dot[0][0], dot[0][1], dot[0][2], dot[0][3],
-                                               dot[1][0], dot[1][1], dot[1][2], dot[1][3]);
-                sums[0][0] = all.s0; sums[0][1] = all.s1; sums[0][2] = all.s2; sums[0][3] = all.s3;
-                sums[1][0] = all.s4; sums[1][1] = all.s5; sums[1][2] = all.s6; sums[1][3] = all.s7;
+#define PKV_DOT(n) dot[(n) / PKV_QB][(n) % PKV_QB]
+                const float8 all = pkv_hsum8x8(PKV_DOT(0), PKV_DOT(1), PKV_DOT(2), PKV_DOT(3),
+                                               PKV_DOT(4), PKV_DOT(5), PKV_DOT(6), PKV_DOT(7));
+                const float lanes[8] = {all.s0, all.s1, all.s2, all.s3,
+                                        all.s4, all.s5, all.s6, all.s7};
+                PKV_UNROLL
+                for (int n = 0; n < 8; ++n) sums[n / PKV_QB][n % PKV_QB] = lanes[n];
+#undef PKV_DOT
 #else
                 PKV_UNROLL
                 for (int i = 0; i < PKV_TB; ++i)
@@ -340,7 +354,8 @@ void paged_attention(__global const float* q,              /* [T, num_heads, D] 
         barrier(CLK_LOCAL_MEM_FENCE);
 
         /* 3. acc = acc * alpha + sum_t p_t V_t over tiles of PKV_QB queries x PKV_CB vectors */
-        for (int k = 0; k < PKV_CEIL(out_tiles, PKV_WG); ++k) {
+        PKV_OUT_UNROLL
+        for (int k = 0; k < PKV_OUT_LOOP; ++k) {
             const int tile = lid + k * PKV_WG;
             if (tile < out_tiles) {
                 const int qb = tile / PKV_COL_BLOCKS, v0 = (tile % PKV_COL_BLOCKS) * PKV_CB;
@@ -377,7 +392,8 @@ void paged_attention(__global const float* q,              /* [T, num_heads, D] 
         barrier(CLK_LOCAL_MEM_FENCE);
     }
 
-    for (int k = 0; k < PKV_CEIL(out_tiles, PKV_WG); ++k) {
+    PKV_OUT_UNROLL
+    for (int k = 0; k < PKV_OUT_LOOP; ++k) {
         const int tile = lid + k * PKV_WG;
         if (tile < out_tiles) {
             const int qb = tile / PKV_COL_BLOCKS, v0 = (tile % PKV_COL_BLOCKS) * PKV_CB;

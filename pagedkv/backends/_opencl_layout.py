@@ -13,6 +13,11 @@ def _floor_pow2(n):
     return 1 << (max(int(n), 1).bit_length() - 1)
 
 
+def _fit(wanted, total):
+    """The largest divisor of ``total`` that is at most ``wanted``."""
+    return max(d for d in range(1, min(max(int(wanted), 1), total) + 1) if total % d == 0)
+
+
 class KernelLayout:
     """The attention kernel's work-group shape for one device and head size.
 
@@ -56,14 +61,17 @@ class KernelLayout:
         self.head_dim = head_dim
         self.work_group_size = _floor_pow2(
             min(overrides.get("work_group_size", 1 if is_cpu else 128), limit))
-        self.vector_width = overrides.get("vector_width") or next(
-            w for w in ((8, 4, 2, 1) if is_cpu else (4, 2, 1)) if head_dim % w == 0)
+        # float8 is an AVX register on a CPU; GPUs load float4 best
+        wanted = overrides.get("vector_width", 8 if is_cpu else 4)
+        self.vector_width = next(w for w in (8, 4, 2, 1) if w <= wanted and head_dim % w == 0)
         vectors = head_dim // self.vector_width
-        self.query_tile = overrides.get("query_tile", 4 if is_cpu else 1)
-        self.key_tile = overrides.get("key_tile", 2 if is_cpu else 1)
-        self.column_tile = overrides.get("column_tile", 2 if is_cpu and vectors % 2 == 0 else 1)
-        self.chunk = overrides.get("chunk", 32)
-        self.max_queries = overrides.get("max_queries", 64 if is_cpu else 32)
+        self.column_tile = _fit(overrides.get("column_tile", 2 if is_cpu else 1), vectors)
+        # powers of two, so that halving below keeps the tiles dividing
+        self.query_tile = _floor_pow2(overrides.get("query_tile", 4 if is_cpu else 1))
+        self.key_tile = _floor_pow2(overrides.get("key_tile", 2 if is_cpu else 1))
+        self.chunk = max(_floor_pow2(overrides.get("chunk", 32)), self.key_tile)
+        self.max_queries = max(_floor_pow2(overrides.get("max_queries", 64 if is_cpu else 32)),
+                               self.query_tile)
         self.stage_k = overrides.get("stage_k", True)
         self.stage_v = overrides.get("stage_v", True)
         # Output accumulators live in registers (GPU) or per-work-item memory
