@@ -261,8 +261,8 @@ def main(argv=None):
                         help="comma-separated pagedkv backends (default: every available one)")
     parser.add_argument("--batch-sizes", default="1,8,32")
     parser.add_argument("--prompt-len", type=int, default=64)
-    parser.add_argument("--decode-steps", type=int, default=12, help="steps per timed round")
-    parser.add_argument("--rounds", type=int, default=3, help="timed rounds per engine (best)")
+    parser.add_argument("--decode-steps", type=int, default=8, help="steps per timed round")
+    parser.add_argument("--rounds", type=int, default=5, help="timed rounds per engine (best)")
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--max-len", type=int, default=2048,
                         help="tokens the contiguous cache reserves per sequence (default 2048)")

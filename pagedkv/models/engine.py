@@ -3,11 +3,12 @@
 A step is one ``cache.append(seq_ids, counts)`` covering every decode (one
 token) and prefill chunk the scheduler picked, one :meth:`LlamaModel.forward`
 whose attention goes through ``cache.store`` / ``cache.attention``, and one
-sampled token for each sequence whose last pending token was in the step.
+sampled token for each sequence whose last pending token was in the step:
+only those rows get logits, not the rest of a prefill chunk.
 """
 import time
-from dataclasses import dataclass, field
-from typing import List, Optional
+from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 
@@ -51,7 +52,6 @@ class EngineStats:
     peak_pages_in_use: int = 0
     peak_running: int = 0
     num_preemptions: int = 0
-    step_seconds: List[float] = field(default_factory=list, repr=False)
 
     @property
     def prefill_tokens_per_second(self):
@@ -92,7 +92,9 @@ class Engine:
         Sized for the model (``num_layers``, ``num_kv_heads``, ``head_dim``).
         Anything with the same ``add_sequence / free / seq_len / truncate /
         page_count / append / store / attention`` methods works too (the
-        benchmark's contiguous baseline).
+        benchmark's contiguous baseline).  When ``cache.prefix_caching`` is
+        set, requests start on the cached pages of their longest known prefix
+        and only the rest of their tokens is computed.
     max_num_seqs : int
         Most requests running at once.
     max_num_batched_tokens : int
@@ -180,8 +182,8 @@ class Engine:
         longest = min(len(prompt) + int(max_new_tokens), self.max_seq_len)
         pages = -(-longest // self.cache.page_size)
         if pages > self.cache.num_pages:
-            raise ValueError(f"prompt_ids: a request of up to {longest} tokens needs {pages} pages, "
-                             f"more than the cache's {self.cache.num_pages}")
+            raise ValueError(f"prompt_ids: a request of up to {longest} tokens needs {pages} "
+                             f"pages, more than the cache's {self.cache.num_pages}")
         request = Request(self._next_id, prompt, int(max_new_tokens), temperature,
                           frozenset(int(t) for t in stop_ids))
         self._next_id += 1
@@ -287,7 +289,6 @@ class Engine:
     def _record(self, num_tokens, num_decode, pages_in_use, num_running, seconds):
         s = self.stats
         s.num_steps += 1
-        s.step_seconds.append(seconds)
         s.decode_tokens += num_decode
         s.prefill_tokens += num_tokens - num_decode
         s.decode_seconds += seconds * num_decode / num_tokens

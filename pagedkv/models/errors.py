@@ -15,4 +15,4 @@ class ModelNotInstalledError(FileNotFoundError):
 
 
 class MissingDependencyError(ImportError):
-    """An optional dependency of the model layer is missing; the message gives the install command."""
+    """An optional dependency of the model layer is missing; the message says how to install it."""

@@ -237,7 +237,7 @@ def _byte_level_bpe(tokens, metadata):
 
 
 def _sentencepiece_bpe(tokens, types, metadata):
-    """A ``tokenizers.Tokenizer`` for a GGUF SentencePiece BPE (``tokenizer.ggml.model == "llama"``)."""
+    """A ``tokenizers.Tokenizer`` for a GGUF SentencePiece BPE (tokenizer.ggml.model "llama")."""
     from tokenizers import Tokenizer, decoders, models, normalizers
     scores = list(metadata.get("tokenizer.ggml.scores") or [])
     if len(scores) != len(tokens):
