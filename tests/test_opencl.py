@@ -171,6 +171,10 @@ class TestDeviceSelection:
         monkeypatch.setenv("PAGEDKV_DEVICE", "7:0")
         with pytest.raises(ValueError, match=r"^PAGEDKV_DEVICE: no OpenCL device '7:0'"):
             opencl_cache()
+        monkeypatch.delenv("PAGEDKV_DEVICE")
+        monkeypatch.setenv("PYOPENCL_CTX", "7")
+        with pytest.raises(ValueError, match=r"^PYOPENCL_CTX: '7' selects no device"):
+            opencl_cache()
 
     def test_bad_type(self):
         with pytest.raises(TypeError, match="device: expected a pyopencl Device or Context"):

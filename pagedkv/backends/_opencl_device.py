@@ -78,7 +78,15 @@ def describe_devices():
     if not devices:
         return "  (none)"
     return "\n".join(f"  {p}:{d}  {dev.platform.name.strip()} / {dev.name.strip()} "
-                     f"({cl.device_type.to_string(dev.type)})" for p, d, dev in devices)
+                     f"({_kind(cl, dev)})" for p, d, dev in devices)
+
+
+def _kind(cl, device):
+    for flag, word in ((cl.device_type.GPU, "GPU"), (cl.device_type.CPU, "CPU"),
+                       (cl.device_type.ACCELERATOR, "accelerator")):
+        if device.type & flag:
+            return word
+    return "other"
 
 
 def _parse_index(text, what):
@@ -137,9 +145,13 @@ def select_device(device=None):
         dev = _parse_index(env, "PAGEDKV_DEVICE")
         return context_for_device(dev), dev
     if os.environ.get("PYOPENCL_CTX", "").strip():
-        # pyopencl's own syntax ("P:D", "P", name fragments); it raises on a bad value.
-        # Keep only its device: the shared context keeps the program cache warm.
-        dev = cl.create_some_context(interactive=False).devices[0]
+        # pyopencl's own syntax ("P:D", "P", name fragments).  Keep only its
+        # device: the shared context keeps the program cache warm.
+        try:
+            dev = cl.create_some_context(interactive=False).devices[0]
+        except cl.Error as exc:
+            raise ValueError(f"PYOPENCL_CTX: {os.environ['PYOPENCL_CTX']!r} selects no device "
+                             f"({exc}); available devices:\n{describe_devices()}") from None
         return context_for_device(dev), dev
     devices = [dev for _, _, dev in _all_devices(cl)]
     if not devices:
