@@ -12,7 +12,7 @@ import re
 from pathlib import Path
 
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([\w.]+)"\s*$', re.MULTILINE)
-_programs = {}   # (Context, file name, options) -> built pyopencl.Program
+_programs = {}   # (Context, file name, options, text) -> built pyopencl.Program
 
 
 class KernelBuildError(RuntimeError):
@@ -78,7 +78,7 @@ def build_program(context, name, options, source=None):
     """
     import pyopencl as cl
     text = read_source(name) if source is None else source
-    key = (context, name, tuple(options), hash(text))
+    key = (context, name, tuple(options), text)
     program = _programs.get(key)
     if program is None:
         try:
