@@ -113,7 +113,7 @@ def run_demo(*args, env=None):
 
 def test_cli_prints_plain_blocks_when_piped():
     require_smollm2()
-    result = run_demo("--backend", "host", "--raw", "--max-new-tokens", "12",
+    result = run_demo("--raw", "--max-new-tokens", "12",
                       "--prompt", PROMPT, "--prompt", "Once upon a time")
     assert result.returncode == 0, result.stderr
     blocks = result.stdout.split("### Prompt ")
