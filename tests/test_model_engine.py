@@ -208,6 +208,31 @@ def test_engine_preempts_and_recomputes_when_pages_run_out(backend, checkpoint, 
     assert cache.num_free_pages == cache.num_pages
 
 
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_tight_pools_change_nothing_but_the_schedule(backend, model, seed):
+    """Random arrivals into pools barely larger than the biggest request: the
+    engine preempts, recomputes and still generates what a roomy pool does."""
+    rng = np.random.default_rng(seed)
+    arrivals = {}
+    for _ in range(7):
+        request = (rng.integers(0, CONFIG.vocab_size, rng.integers(1, 20)).tolist(),
+                   int(rng.integers(1, 9)))
+        arrivals.setdefault(int(rng.integers(0, 6)), []).append(request)
+    largest = max(-(-(len(p) + n) // 4) for reqs in arrivals.values() for p, n in reqs)
+
+    def run(num_pages, budget):
+        engine = Engine(model, make_cache(backend, num_pages=num_pages), max_num_seqs=4,
+                        max_num_batched_tokens=budget)
+        events, prompts = run_and_collect(engine, {k: list(v) for k, v in arrivals.items()})
+        assert engine.cache.num_free_pages == engine.cache.num_pages
+        return [[e.token_id for e in events[r]] for r in sorted(prompts)], engine.stats
+
+    roomy, _ = run(num_pages=256, budget=64)
+    tight, stats = run(num_pages=largest, budget=int(rng.integers(1, 12)))
+    assert stats.num_preemptions > 0
+    assert tight == roomy
+
+
 def test_engine_reuses_cached_prefixes(backend, checkpoint, model):
     """With a prefix-caching cache, later prompts sharing full pages with an
     earlier one compute only their new tokens, and the logits do not change."""

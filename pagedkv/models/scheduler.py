@@ -127,6 +127,7 @@ class Scheduler:
         """
         budget = self.max_num_batched_tokens
         free_pages = self.cache.num_free_pages
+        preemptions_before = self.num_preemptions
         plan = []
 
         # 1. Every decoding request gets its token; preempt the newest to make room.
@@ -161,8 +162,10 @@ class Scheduler:
                 free_pages -= self._pages_needed(request.seq_id, num_tokens)
                 budget -= num_tokens
 
-        # 3. Admit waiting requests, oldest first, while they fit.
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        # 3. Admit waiting requests, oldest first, while they fit; not in a step
+        #    that had to preempt (the victim would take its pages straight back).
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs \
+                and self.num_preemptions == preemptions_before:
             request = self.waiting[0]
             first_chunk = min(request.num_tokens, budget)
             if -(-first_chunk // self.cache.page_size) > free_pages:
@@ -176,10 +179,12 @@ class Scheduler:
             free_pages -= self._pages_needed(request.seq_id, num_tokens)
             budget -= num_tokens
 
-        if not plan and self.running:
+        preempted = self.num_preemptions != preemptions_before
+        if not plan and (self.running or (self.waiting and preempted)):
             # Nothing fits (every running request is prefilling and the pool
-            # is full): make room rather than stall.
-            self.preempt_newest()
+            # is full), or a preemption emptied the batch: make room, plan again.
+            if self.running:
+                self.preempt_newest()
             return self.schedule()
         return plan
 
