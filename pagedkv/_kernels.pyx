@@ -23,7 +23,7 @@ cdef extern from "pkv_simd.h" nogil:
     void pkv_rescale_accumulate(float* y, float alpha, const float* p, const float* x, int nt, int n)
     void pkv_rescale_accumulate4(float* acc, const float* alpha, const float* p, int ld,
                                  const float* x, int nt, int n)
-    void pkv_prefetch(const void* p, long nbytes)
+    void pkv_prefetch(const void* p, long nbytes, long stride)
 
 ctypedef fused storage_t:
     float
@@ -152,17 +152,20 @@ cdef void attend_item(const float[:, :, ::1] q,
 
     for j in range(key0 // ps, last_page):
         page = page_indices[page_indptr[b] + j]
-        # pages are scattered: touch the next one early so that the hardware
-        # prefetcher has its stream going when we get there
-        if j + 1 < last_page:
-            next_page = page_indices[page_indptr[b] + j + 1]
-            pkv_prefetch(&k_pool[next_page, h0, 0, 0], heads_per_item * ps * D * sizeof(storage_t))
-            pkv_prefetch(&v_pool[next_page, h0, 0, 0], heads_per_item * ps * D * sizeof(storage_t))
+        next_page = page_indices[page_indptr[b] + j + 1] if j + 1 < last_page else -1
         t0 = max(key0, j * ps) - j * ps
         t1 = min(key1, (j + 1) * ps) - j * ps
         nt = t1 - t0
         for hh in range(heads_per_item):
             h = h0 + hh
+            # The accumulation reads V in column blocks, an order the hardware
+            # prefetcher does not follow: ask for all of it while the scores
+            # compute.  Pages are scattered, so also start the streams of the
+            # next page.
+            pkv_prefetch(&v_pool[page, h, t0, 0], nt * D * sizeof(storage_t), 64)
+            if hh == 0 and next_page >= 0:
+                pkv_prefetch(&k_pool[next_page, h0, 0, 0], heads_per_item * ps * D * sizeof(storage_t), 4096)
+                pkv_prefetch(&v_pool[next_page, h0, 0, 0], heads_per_item * ps * D * sizeof(storage_t), 4096)
             head_acc = acc + hh * nq * D
             head_max = run_max + hh * nq
             head_sum = run_sum + hh * nq

@@ -120,15 +120,15 @@ static inline void pkv_rescale_accumulate4(float *restrict acc, const float *res
         }
 }
 
-/* Touch one cache line per 4 KiB of `bytes` at `p`: enough to start the
- * hardware prefetcher's stream on each memory page ahead of use, without
- * filling the miss queue with a prefetch per line. */
-static inline void pkv_prefetch(const void *p, long bytes) {
+/* Prefetch one cache line every `stride` bytes of `bytes` at `p`.  A stride
+ * of 4096 just starts the hardware prefetcher on each memory page; 64 asks
+ * for every line (for data about to be read out of order). */
+static inline void pkv_prefetch(const void *p, long bytes, long stride) {
 #if defined(__GNUC__) || defined(__clang__)
     const char *c = (const char *)p;
-    for (long off = 0; off < bytes; off += 4096) __builtin_prefetch(c + off, 0, 3);
+    for (long off = 0; off < bytes; off += stride) __builtin_prefetch(c + off, 0, 3);
 #else
-    (void)p; (void)bytes;
+    (void)p; (void)bytes; (void)stride;
 #endif
 }
 #endif
