@@ -8,6 +8,7 @@ engine samples from must match an independent float64 forward over the
 whole sequence with no cache at all.
 """
 import subprocess
+import tempfile
 import sys
 
 import numpy as np
@@ -340,7 +341,8 @@ def test_core_and_engine_need_none_of_the_demo_dependencies():
             "from pagedkv.models import Engine, LlamaModel\n"
             "from pagedkv.models import demo\n"
             "sys.exit(demo.main(['--max-new-tokens', '1']))\n")
+    # run outside the source tree, so that the installed package is imported
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            timeout=120)
+                            timeout=120, cwd=tempfile.gettempdir())
     assert result.returncode == 1, result.stderr
     assert 'pip install "pagedkv[demo]"' in result.stderr and "Traceback" not in result.stderr

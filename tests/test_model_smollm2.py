@@ -6,6 +6,7 @@ skips only on a developer machine without it.
 """
 import os
 import subprocess
+import tempfile
 import sys
 
 import pytest
@@ -106,9 +107,10 @@ def test_greedy_in_a_batch_with_chunked_prefill(smollm2, backend):
 
 
 def run_demo(*args, env=None):
+    # run outside the source tree, so that `-m pagedkv` imports the installed package
     return subprocess.run([sys.executable, "-m", "pagedkv", "demo", *args],
                           capture_output=True, text=True, timeout=300,
-                          env={**os.environ, **(env or {})})
+                          env={**os.environ, **(env or {})}, cwd=tempfile.gettempdir())
 
 
 def test_cli_prints_plain_blocks_when_piped():
