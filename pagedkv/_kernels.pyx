@@ -20,10 +20,10 @@ cdef extern from "pkv_half.h" nogil:
 cdef extern from "pkv_simd.h" nogil:
     void pkv_halves_to_floats(const uint16_t* src, float* dst, int n)
     void pkv_scores(const float* q, int nq, const float* k, int nt, int n, float* scores, int ld)
-    void pkv_rescale_accumulate(float* y, float alpha, const float* p, const float* x, int nt, int n)
     void pkv_rescale_accumulate4(float* acc, const float* alpha, const float* p, int ld,
                                  const float* x, int nt, int n)
     void pkv_prefetch(const void* p, long nbytes, long stride)
+    float pkv_exp_shifted(float* s, int n, float m)
 
 ctypedef fused storage_t:
     float
@@ -57,12 +57,13 @@ cdef inline storage_t convert(float x, storage_t* dummy) noexcept nogil:
 
 def scatter(storage_t[:, :, :, ::1] k_pool, storage_t[:, :, :, ::1] v_pool,
             const int64_t[::1] slot_mapping,
-            const float[:, :, ::1] k, const float[:, :, ::1] v):
+            const float[:, :, ::1] k, const float[:, :, ::1] v, int num_threads):
     """Write token ``t`` of ``k``/``v`` ([T, H, D] float32) at ``slot_mapping[t]``; -1 skips."""
     cdef Py_ssize_t t, h, d, H = k.shape[1], D = k.shape[2]
     cdef int64_t slot, page, offset, ps = k_pool.shape[2]
     cdef storage_t* dummy = NULL
-    for t in prange(slot_mapping.shape[0], nogil=True, schedule="static"):
+    for t in prange(slot_mapping.shape[0], nogil=True, schedule="static",
+                    num_threads=num_threads):
         slot = slot_mapping[t]
         if slot < 0:
             continue
@@ -74,11 +75,12 @@ def scatter(storage_t[:, :, :, ::1] k_pool, storage_t[:, :, :, ::1] v_pool,
                 v_pool[page, h, offset, d] = convert(v[t, h, d], dummy)
 
 
-def gather(storage_t[:, :, :, ::1] pool, const int64_t[::1] slots, float[:, :, ::1] out):
+def gather(storage_t[:, :, :, ::1] pool, const int64_t[::1] slots, float[:, :, ::1] out,
+           int num_threads):
     """``out[i]`` ([n, H, D] float32) = the token at ``slots[i]`` of ``pool``."""
     cdef Py_ssize_t i, h, d, H = out.shape[1], D = out.shape[2]
     cdef int64_t page, offset, ps = pool.shape[2]
-    for i in prange(slots.shape[0], nogil=True, schedule="static"):
+    for i in prange(slots.shape[0], nogil=True, schedule="static", num_threads=num_threads):
         page = slots[i] // ps
         offset = slots[i] % ps
         for h in range(H):
@@ -106,6 +108,10 @@ cdef enum:
     W_FIELDS = 6
 
 
+cdef inline int padded_queries(int nq) noexcept nogil:
+    return (nq + 3) // 4 * 4
+
+
 cdef void attend_item(const float[:, :, ::1] q,
                       storage_t[:, :, :, ::1] k_pool, storage_t[:, :, :, ::1] v_pool,
                       const int32_t[::1] query_start, const int32_t[::1] seq_lens,
@@ -114,25 +120,28 @@ cdef void attend_item(const float[:, :, ::1] q,
                       float* acc, float* run_max, float* run_sum, float* scratch) noexcept nogil:
     """One work item over KV heads ``h0 : h0 + heads_per_item``.
 
-    Leaves unnormalised ``acc`` [heads_per_item * nq, D] and ``run_max``,
-    ``run_sum`` [heads_per_item * nq], head-major, where nq = rows * group.
-    ``scratch`` holds heads_per_item*nq*D + nq*page_size + 2*page_size*D + nq floats.
+    Leaves unnormalised ``acc`` [heads_per_item * nq4, D] and ``run_max``,
+    ``run_sum`` [heads_per_item * nq4], head-major, where nq = rows * group
+    queries per head are padded to nq4, a multiple of 4, with zero queries:
+    the vector primitives then always work on four queries at once.
+    ``scratch`` holds heads_per_item*nq4*D + nq4*page_size + 2*page_size*D + nq4 floats.
     """
     cdef int b = item[W_SEQ], h0 = item[W_KV_HEAD]
     cdef int row0 = item[W_ROW0], row1 = item[W_ROW1], key0 = item[W_KEY0], key1 = item[W_KEY1]
     cdef int D = q.shape[2], ps = k_pool.shape[2]
     cdef int group = q.shape[1] // k_pool.shape[1]
     cdef int nq = (row1 - row0) * group
+    cdef int nq4 = padded_queries(nq)
     # position of query row r is first_pos + r: rows are the sequence's newest tokens
     cdef int first_pos = seq_lens[b] - (query_start[b + 1] - query_start[b]) - query_start[b]
     cdef int qi, x, hh, h, d, t, j, t0, t1, nt, limit, page, next_page
     cdef int last_page = (key1 + ps - 1) // ps
     cdef float m_new, total
-    cdef float* queries = scratch                           # [heads, nq, D], pre-scaled
-    cdef float* scores = queries + heads_per_item * nq * D  # [nq, ps]
-    cdef float* k_scratch = scores + nq * ps                # [ps, D] (float16 pools only)
+    cdef float* queries = scratch                            # [heads, nq4, D], pre-scaled
+    cdef float* scores = queries + heads_per_item * nq4 * D  # [nq4, ps]
+    cdef float* k_scratch = scores + nq4 * ps                # [ps, D] (float16 pools only)
     cdef float* v_scratch = k_scratch + ps * D
-    cdef float* alphas = v_scratch + ps * D                 # [nq]
+    cdef float* alphas = v_scratch + ps * D                  # [nq4]
     cdef const float* keys
     cdef const float* values
     cdef const float* qv
@@ -141,14 +150,17 @@ cdef void attend_item(const float[:, :, ::1] q,
     cdef float* head_max
     cdef float* head_sum
 
-    for x in range(heads_per_item * nq):
+    for x in range(heads_per_item * nq4):
         run_max[x] = -INFINITY
         run_sum[x] = 0.0
-        qi = x % nq
-        qv = &q[row0 + qi // group, (h0 + x // nq) * group + qi % group, 0]
+        qi = x % nq4
         for d in range(D):
             acc[x * D + d] = 0.0
-            queries[x * D + d] = qv[d] * scale
+            queries[x * D + d] = 0.0
+        if qi < nq:
+            qv = &q[row0 + qi // group, (h0 + x // nq4) * group + qi % group, 0]
+            for d in range(D):
+                queries[x * D + d] = qv[d] * scale
 
     for j in range(key0 // ps, last_page):
         page = page_indices[page_indptr[b] + j]
@@ -166,16 +178,17 @@ cdef void attend_item(const float[:, :, ::1] q,
             if hh == 0 and next_page >= 0:
                 pkv_prefetch(&k_pool[next_page, h0, 0, 0], heads_per_item * ps * D * sizeof(storage_t), 4096)
                 pkv_prefetch(&v_pool[next_page, h0, 0, 0], heads_per_item * ps * D * sizeof(storage_t), 4096)
-            head_acc = acc + hh * nq * D
-            head_max = run_max + hh * nq
-            head_sum = run_sum + hh * nq
+            head_acc = acc + hh * nq4 * D
+            head_max = run_max + hh * nq4
+            head_sum = run_sum + hh * nq4
             keys = as_floats(&k_pool[page, h, t0, 0], nt * D, k_scratch)
             values = as_floats(&v_pool[page, h, t0, 0], nt * D, v_scratch)
-            pkv_scores(queries + hh * nq * D, nq, keys, nt, D, scores, ps)
+            pkv_scores(queries + hh * nq4 * D, nq4, keys, nt, D, scores, ps)
             # online softmax per query; scores become weights, zero past the
-            # query's causal limit, so that queries can share one accumulation
-            for qi in range(nq):
-                limit = min(nt, first_pos + row0 + qi // group - j * ps - t0 + 1)
+            # query's causal limit (and for the padding queries), so that
+            # queries can share one accumulation
+            for qi in range(nq4):
+                limit = min(nt, first_pos + row0 + qi // group - j * ps - t0 + 1) if qi < nq else 0
                 s = scores + qi * ps
                 alphas[qi] = 1.0
                 if limit <= 0:
@@ -185,24 +198,15 @@ cdef void attend_item(const float[:, :, ::1] q,
                 m_new = head_max[qi]
                 for t in range(limit):
                     m_new = max(m_new, s[t])
-                total = 0.0
-                for t in range(limit):
-                    s[t] = expf(s[t] - m_new)
-                    total = total + s[t]
+                total = pkv_exp_shifted(s, limit, m_new)
                 for t in range(limit, nt):
                     s[t] = 0.0
                 alphas[qi] = expf(head_max[qi] - m_new)
                 head_max[qi] = m_new
                 head_sum[qi] = head_sum[qi] * alphas[qi] + total
-            qi = 0
-            while qi + 4 <= nq:
+            for qi in range(0, nq4, 4):
                 pkv_rescale_accumulate4(head_acc + qi * D, alphas + qi, scores + qi * ps, ps,
                                         values, nt, D)
-                qi += 4
-            while qi < nq:
-                pkv_rescale_accumulate(head_acc + qi * D, alphas[qi], scores + qi * ps, values,
-                                       nt, D)
-                qi += 1
 
 
 def paged_attention(const float[:, :, ::1] q,
@@ -232,7 +236,7 @@ def paged_attention(const float[:, :, ::1] q,
     """
     cdef Py_ssize_t W = items.shape[0], M = item_offsets.shape[0] - 1
     cdef int D = q.shape[2], ps = k_pool.shape[2], group = q.shape[1] // k_pool.shape[1]
-    cdef int nq_max = max_rows_per_item * group
+    cdef int nq_max = padded_queries(max_rows_per_item * group)
     acc_buf = np.empty((W, heads_per_item * nq_max, D), dtype=np.float32)
     max_buf = np.empty((W, heads_per_item * nq_max), dtype=np.float32)
     sum_buf = np.empty((W, heads_per_item * nq_max), dtype=np.float32)
@@ -261,16 +265,18 @@ cdef void merge_partials(const int32_t* items, int first, int last, int group,
     """Combine items ``first:last`` (one query block, key ranges split) into ``out``."""
     cdef const int32_t* item = items + first * W_FIELDS
     cdef int h0 = item[W_KV_HEAD], row0 = item[W_ROW0], row1 = item[W_ROW1]
-    cdef int D = acc.shape[2], nq = (row1 - row0) * group
+    cdef int D = acc.shape[2], nq = (row1 - row0) * group, nq4 = padded_queries(nq)
     cdef int x, qi, w, d
     cdef float m, total, weight
     cdef float* dst
-    for x in range(heads_per_item * nq):
-        qi = x % nq
+    for x in range(heads_per_item * nq4):
+        qi = x % nq4
+        if qi >= nq:
+            continue        # a padding query
         m = -INFINITY
         for w in range(first, last):
             m = max(m, run_max[w, x])
-        dst = &out[row0 + qi // group, (h0 + x // nq) * group + qi % group, 0]
+        dst = &out[row0 + qi // group, (h0 + x // nq4) * group + qi % group, 0]
         for d in range(D):
             dst[d] = 0.0
         total = 0.0

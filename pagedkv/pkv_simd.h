@@ -72,19 +72,6 @@ static inline void pkv_scores(const float *restrict q, int nq, const float *rest
     }
 }
 
-/* y[0:n] = alpha * y[0:n] + sum over t < nt of p[t] * x[t*n : t*n+n] */
-static inline void pkv_rescale_accumulate(float *restrict y, float alpha, const float *restrict p,
-                                          const float *restrict x, int nt, int n) {
-    #pragma omp simd
-    for (int i = 0; i < n; i++) y[i] *= alpha;
-    for (int t = 0; t < nt; t++) {
-        const float pt = p[t];
-        const float *restrict xt = x + t * n;
-        #pragma omp simd
-        for (int i = 0; i < n; i++) y[i] += pt * xt[i];
-    }
-}
-
 /* For q in 0..3: acc[q*n : q*n+n] = alpha[q] * acc[q*n : ...] + sum over t < nt
  * of p[q*ld + t] * x[t*n : t*n+n].  Four queries share each load of x, and
  * each 8-column block of the four accumulators stays in registers across all
@@ -118,6 +105,38 @@ static inline void pkv_rescale_accumulate4(float *restrict acc, const float *res
             for (int t = 0; t < nt; t++) a += p[q * ld + t] * x[t * n + i];
             acc[q * n + i] = a;
         }
+}
+
+/* s[i] = exp(s[i] - m) for s[i] <= m; returns the sum of the results.
+ *
+ * libm's expf is a scalar call (vectorising it needs -ffast-math, which this
+ * build avoids), and it was a quarter of the decode kernel's time.  This is
+ * the usual vectorisable form: exp(x) = 2^k * exp(r), k = round(x / ln 2),
+ * r = x - k ln 2 in [-ln2/2, ln2/2] (ln 2 split in two for exactness), and a
+ * degree-6 Taylor polynomial for exp(r): relative error below 2e-7.  Inputs
+ * below -87 (including -inf) give 0. */
+static inline float pkv_exp_shifted(float *restrict s, int n, float m) {
+    float total = 0.0f;
+    #pragma omp simd reduction(+:total)
+    for (int i = 0; i < n; i++) {
+        float x = s[i] - m;
+        x = x < -87.0f ? -87.0f : x;
+        const float k = __builtin_floorf(x * 1.44269504f + 0.5f);
+        const float r = (x - k * 0.693145752f) - k * 1.42860677e-6f;
+        float p = 1.0f / 720.0f;
+        p = p * r + 1.0f / 120.0f;
+        p = p * r + 1.0f / 24.0f;
+        p = p * r + 1.0f / 6.0f;
+        p = p * r + 0.5f;
+        p = p * r + 1.0f;
+        p = p * r + 1.0f;
+        union { float f; int32_t i; } scale;
+        scale.i = ((int32_t)k + 127) << 23;
+        const float e = s[i] - m < -87.0f ? 0.0f : p * scale.f;
+        s[i] = e;
+        total += e;
+    }
+    return total;
 }
 
 /* Prefetch one cache line every `stride` bytes of `bytes` at `p`.  A stride

@@ -15,8 +15,22 @@ _QUERIES_PER_ITEM = 64
 _MIN_PART_TOKENS = 256
 
 
-def _num_threads():
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+# Below this many float multiply-adds a call runs on one thread: waking the
+# OpenMP team costs more than it saves, and a busy machine can stall it.
+_PARALLEL_MIN_WORK = 1 << 18
+
+
+def _max_threads():
+    """Cores this process may use, capped by ``OMP_NUM_THREADS`` when set."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    try:
+        return max(1, min(cores, int(os.environ.get("OMP_NUM_THREADS", cores))))
+    except ValueError:
+        return cores
+
+
+def _threads_for(work, max_threads):
+    return max_threads if work >= _PARALLEL_MIN_WORK else 1
 
 
 class HostBackend(Backend):
@@ -41,7 +55,7 @@ class HostBackend(Backend):
             else (lambda a: a)
         self.num_kv_heads = num_kv_heads
         self.page_size = page_size
-        self.num_threads = _num_threads()
+        self.num_threads = _max_threads()
 
     @property
     def memory_bytes(self):
@@ -64,8 +78,9 @@ class HostBackend(Backend):
         self._v[:, dst] = self._v[:, src]
 
     def store(self, layer, tables, k, v):
+        k, v = self._host_f32(k), self._host_f32(v)
         _kernels.scatter(self._kernel_view(self._k[layer]), self._kernel_view(self._v[layer]),
-                         tables.slot_mapping, self._host_f32(k), self._host_f32(v))
+                         tables.slot_mapping, k, v, _threads_for(k.size, self.num_threads))
 
     def attention(self, layer, tables, q, scale):
         q = self._host_f32(q)
@@ -73,12 +88,12 @@ class HostBackend(Backend):
         key = ("host_plan", group)
         if key not in tables.cache:
             tables.cache[key] = self._plan(tables, group)
-        items, item_offsets, heads_per_item, max_rows = tables.cache[key]
+        items, item_offsets, heads_per_item, max_rows, threads = tables.cache[key]
         out = np.empty_like(q)
         _kernels.paged_attention(
             q, self._kernel_view(self._k[layer]), self._kernel_view(self._v[layer]),
             tables.query_start, tables.seq_lens, tables.page_indptr, tables.page_indices,
-            items, item_offsets, heads_per_item, max_rows, float(scale), out, self.num_threads)
+            items, item_offsets, heads_per_item, max_rows, float(scale), out, threads)
         return out
 
     def _plan(self, tables, group):
@@ -105,13 +120,17 @@ class HostBackend(Backend):
             page_size=self.page_size, rows_per_block=rows_per_block,
             target_items=4 * self.num_threads, min_part_tokens=_MIN_PART_TOKENS,
             heads_per_item=heads_per_item)
-        max_rows = int((items[:, 3] - items[:, 2]).max(initial=0))
-        return items, item_offsets, heads_per_item, max_rows
+        rows = items[:, 3] - items[:, 2]
+        keys = items[:, 5] - items[:, 4]
+        work = int((rows * keys).sum()) * heads_per_item * group * self._k.shape[-1]
+        return (items, item_offsets, heads_per_item, int(rows.max(initial=0)),
+                _threads_for(work, self.num_threads))
 
     def gather(self, layer, slots):
         shape = (len(slots), self._k.shape[2], self._k.shape[4])
         k = np.empty(shape, dtype=np.float32)
         v = np.empty(shape, dtype=np.float32)
-        _kernels.gather(self._kernel_view(self._k[layer]), slots, k)
-        _kernels.gather(self._kernel_view(self._v[layer]), slots, v)
+        threads = _threads_for(k.size, self.num_threads)
+        _kernels.gather(self._kernel_view(self._k[layer]), slots, k, threads)
+        _kernels.gather(self._kernel_view(self._v[layer]), slots, v, threads)
         return k, v
