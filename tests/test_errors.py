@@ -105,6 +105,8 @@ def test_stale_batch(setup):
     (dict(max_seq_len=0), "max_seq_len"),
     (dict(backend="cuda"), "backend"),
     (dict(backend=3), "backend"),
+    (dict(enable_prefix_caching="yes"), "enable_prefix_caching"),
+    (dict(prefix_hash=42), "prefix_hash"),
 ])
 def test_bad_constructor_arguments(kwargs, fragment):
     args = dict(num_layers=1, num_kv_heads=1, head_dim=8, num_pages=4)

@@ -339,3 +339,18 @@ def test_token_ids_ignored_without_caching(backend):
     t = cache.add_sequence(token_ids=[1, 2, 3])
     assert cache.seq_len(t) == 0
     assert cache.stats()["prefix_hit_rate"] == 0.0
+
+
+def test_failing_hash_function_changes_nothing(backend):
+    def broken_hash(parent, tokens):
+        if 9 in tokens:
+            raise RuntimeError("hash service down")
+        return hash(tokens) & 0xFFFF
+
+    cache = make(backend, page_size=2, prefix_hash=broken_hash)
+    s = serve_prompt(cache, [1, 2, 3])
+    before = (cache.seq_len(s), list(cache.page_ids(s)), cache.num_free_pages, cache.stats())
+    with pytest.raises(RuntimeError, match="hash service down"):
+        cache.append([s], 2, token_ids=[9, 5])       # fills the page [3, 9]: its hash fails
+    assert (cache.seq_len(s), list(cache.page_ids(s)), cache.num_free_pages,
+            cache.stats()) == before
