@@ -6,6 +6,14 @@
 >>> batch = cache.append([s], [prompt_len])
 >>> cache.store(layer, batch, k, v); out = cache.attention(layer, batch, q)
 """
+try:
+    from pagedkv import _allocator, _kernels, _page_table  # noqa: F401  (the compiled core)
+except ImportError as exc:  # pragma: no cover - depends on how Python was started
+    raise ImportError(
+        f"pagedkv's compiled modules are missing from {__path__[0]}: this is the source tree "
+        f"without a build (Python puts the current directory first on `python -m`). Run from "
+        f"another directory, or build in place with `pip install -e .`") from exc
+
 from pagedkv.backends import available_backends
 from pagedkv.cache import Checkpoint, PagedKVCache, StepBatch
 from pagedkv.errors import (ArgumentTypeError, BackendUnavailableError, OutOfPagesError,
