@@ -50,13 +50,10 @@ def numpy_decode(q, k, v, scale):
 
 
 def torch_sdpa(q, k, v, causal):
-    """torch scaled_dot_product_attention on contiguous tensors [B, H, L, D] (GQA by repeat)."""
-    group = q.shape[1] // k.shape[1]
-    if group > 1:
-        k = k.repeat_interleave(group, dim=1)
-        v = v.repeat_interleave(group, dim=1)
+    """torch scaled_dot_product_attention on contiguous tensors [B, H, L, D], GQA native."""
     with torch.no_grad():
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal,
+                                                                enable_gqa=True)
 
 
 def decode_rows(backend, args, rng, bandwidth):
