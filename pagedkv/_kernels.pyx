@@ -10,6 +10,7 @@ cimport numpy as cnp
 from cython.parallel cimport prange, threadid
 from libc.math cimport expf, INFINITY
 from libc.stdint cimport int32_t, int64_t, uint16_t
+from libc.string cimport memcpy
 
 cnp.import_array()
 
@@ -22,7 +23,6 @@ cdef extern from "pkv_simd.h" nogil:
     void pkv_scores(const float* q, int nq, const float* k, int nt, int n, float* scores, int ld)
     void pkv_rescale_accumulate4(float* acc, const float* alpha, const float* p, int ld,
                                  const float* x, int nt, int n)
-    void pkv_prefetch(const void* p, long nbytes, long stride)
     float pkv_exp_shifted(float* s, int n, float m)
 
 ctypedef fused storage_t:
@@ -37,13 +37,12 @@ cdef inline float load(storage_t x) noexcept nogil:
         return pkv_half_to_float(x)
 
 
-cdef inline const float* as_floats(const storage_t* rows, int n, float* scratch) noexcept nogil:
-    """``rows[0:n]`` as float32: the pool itself for float32, else converted into ``scratch``."""
+cdef inline void stage(const storage_t* src, int n, float* dst) noexcept nogil:
+    """Copy ``src[0:n]`` into ``dst`` as float32 (float16 pools are converted)."""
     if storage_t is float:
-        return rows
+        memcpy(dst, src, n * sizeof(float))
     else:
-        pkv_halves_to_floats(rows, scratch, n)
-        return scratch
+        pkv_halves_to_floats(src, dst, n)
 
 
 cdef inline storage_t convert(float x, storage_t* dummy) noexcept nogil:
@@ -124,7 +123,7 @@ cdef void attend_item(const float[:, :, ::1] q,
     ``run_sum`` [heads_per_item * nq4], head-major, where nq = rows * group
     queries per head are padded to nq4, a multiple of 4, with zero queries:
     the vector primitives then always work on four queries at once.
-    ``scratch`` holds heads_per_item*nq4*D + nq4*page_size + 2*page_size*D + nq4 floats.
+    ``scratch`` holds heads_per_item*(nq4 + 2*page_size)*D + nq4*(page_size + 1) floats.
     """
     cdef int b = item[W_SEQ], h0 = item[W_KV_HEAD]
     cdef int row0 = item[W_ROW0], row1 = item[W_ROW1], key0 = item[W_KEY0], key1 = item[W_KEY1]
@@ -134,14 +133,14 @@ cdef void attend_item(const float[:, :, ::1] q,
     cdef int nq4 = padded_queries(nq)
     # position of query row r is first_pos + r: rows are the sequence's newest tokens
     cdef int first_pos = seq_lens[b] - (query_start[b + 1] - query_start[b]) - query_start[b]
-    cdef int qi, x, hh, h, d, t, j, t0, t1, nt, limit, page, next_page
+    cdef int qi, x, hh, d, t, j, t0, t1, nt, limit, page
     cdef int last_page = (key1 + ps - 1) // ps
     cdef float m_new, total
     cdef float* queries = scratch                            # [heads, nq4, D], pre-scaled
     cdef float* scores = queries + heads_per_item * nq4 * D  # [nq4, ps]
-    cdef float* k_scratch = scores + nq4 * ps                # [ps, D] (float16 pools only)
-    cdef float* v_scratch = k_scratch + ps * D
-    cdef float* alphas = v_scratch + ps * D                  # [nq4]
+    cdef float* k_stage = scores + nq4 * ps                  # [heads, ps, D]
+    cdef float* v_stage = k_stage + heads_per_item * ps * D  # [heads, ps, D]
+    cdef float* alphas = v_stage + heads_per_item * ps * D   # [nq4]
     cdef const float* keys
     cdef const float* values
     cdef const float* qv
@@ -164,25 +163,20 @@ cdef void attend_item(const float[:, :, ::1] q,
 
     for j in range(key0 // ps, last_page):
         page = page_indices[page_indptr[b] + j]
-        next_page = page_indices[page_indptr[b] + j + 1] if j + 1 < last_page else -1
         t0 = max(key0, j * ps) - j * ps
         t1 = min(key1, (j + 1) * ps) - j * ps
         nt = t1 - t0
+        # Stage the page's slices of these heads (contiguous in the pool) with
+        # one sequential copy each: a long burst the hardware prefetcher
+        # streams at full speed, where reading while computing kept it idle.
+        stage(&k_pool[page, h0, 0, 0], heads_per_item * ps * D, k_stage)
+        stage(&v_pool[page, h0, 0, 0], heads_per_item * ps * D, v_stage)
         for hh in range(heads_per_item):
-            h = h0 + hh
-            # The accumulation reads V in column blocks, an order the hardware
-            # prefetcher does not follow: ask for all of it while the scores
-            # compute.  Pages are scattered, so also start the streams of the
-            # next page.
-            pkv_prefetch(&v_pool[page, h, t0, 0], nt * D * sizeof(storage_t), 64)
-            if hh == 0 and next_page >= 0:
-                pkv_prefetch(&k_pool[next_page, h0, 0, 0], heads_per_item * ps * D * sizeof(storage_t), 4096)
-                pkv_prefetch(&v_pool[next_page, h0, 0, 0], heads_per_item * ps * D * sizeof(storage_t), 4096)
             head_acc = acc + hh * nq4 * D
             head_max = run_max + hh * nq4
             head_sum = run_sum + hh * nq4
-            keys = as_floats(&k_pool[page, h, t0, 0], nt * D, k_scratch)
-            values = as_floats(&v_pool[page, h, t0, 0], nt * D, v_scratch)
+            keys = k_stage + (hh * ps + t0) * D
+            values = v_stage + (hh * ps + t0) * D
             pkv_scores(queries + hh * nq4 * D, nq4, keys, nt, D, scores, ps)
             # online softmax per query; scores become weights, zero past the
             # query's causal limit (and for the padding queries), so that
@@ -243,8 +237,8 @@ def paged_attention(const float[:, :, ::1] q,
     cdef float[:, :, ::1] acc = acc_buf
     cdef float[:, ::1] run_max = max_buf, run_sum = sum_buf
     # one scratch row per thread: queries, scores and converted float16 pages
-    scratch_buf = np.empty((num_threads, heads_per_item * nq_max * D + nq_max * (ps + 1)
-                            + 2 * ps * D), dtype=np.float32)
+    scratch_buf = np.empty((num_threads, heads_per_item * (nq_max + 2 * ps) * D
+                            + nq_max * (ps + 1)), dtype=np.float32)
     cdef float[:, ::1] scratch = scratch_buf
     cdef Py_ssize_t w, m
     if W == 0:

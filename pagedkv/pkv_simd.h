@@ -3,8 +3,8 @@
  * Written in C rather than Cython for what Cython cannot say: `restrict`
  * (without it the compiler guards each loop with a run-time alias check),
  * `omp simd reduction` (vectorised dot products; needs -fopenmp or
- * -fopenmp-simd, and is ignored, still correct, without them), prefetch
- * hints, and F16C conversions.  All arithmetic is float32.
+ * -fopenmp-simd, and is ignored, still correct, without them), vector
+ * types, and F16C conversions.  All arithmetic is float32.
  */
 #ifndef PKV_SIMD_H
 #define PKV_SIMD_H
@@ -139,15 +139,4 @@ static inline float pkv_exp_shifted(float *restrict s, int n, float m) {
     return total;
 }
 
-/* Prefetch one cache line every `stride` bytes of `bytes` at `p`.  A stride
- * of 4096 just starts the hardware prefetcher on each memory page; 64 asks
- * for every line (for data about to be read out of order). */
-static inline void pkv_prefetch(const void *p, long bytes, long stride) {
-#if defined(__GNUC__) || defined(__clang__)
-    const char *c = (const char *)p;
-    for (long off = 0; off < bytes; off += stride) __builtin_prefetch(c + off, 0, 3);
-#else
-    (void)p; (void)bytes; (void)stride;
-#endif
-}
 #endif
