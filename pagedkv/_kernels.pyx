@@ -89,10 +89,12 @@ def gather(storage_t[:, :, :, ::1] pool, const int64_t[::1] slots, float[:, :, :
 
 # -- paged attention ----------------------------------------------------------------
 #
-# A work item is one (sequence, KV head, block of query rows, key range).  It
-# reads each K/V page of its range once for all query rows and all query heads
-# of the KV group (GQA), keeps a running max and sum per query (online
-# softmax), and leaves an unnormalised partial result.  Long key ranges are
+# A work item is one (sequence, run of KV heads, block of query rows, key
+# range).  Page by page it copies the K/V slices of its heads into a
+# per-thread buffer in one sequential burst, then reads each slice once for
+# all query rows and all query heads of the KV group (GQA), keeps a running
+# max and sum per query (online softmax), and leaves an unnormalised partial
+# result.  Long key ranges are
 # split over several items so that one long sequence still fills every core
 # (split-K, as in FlashDecoding / vLLM v2); `merge_partials` combines the
 # items of a query block by log-sum-exp.
