@@ -343,7 +343,7 @@ class PagedKVCache:
         return layer
 
     def _array_types(self):
-        return (np.ndarray,) + getattr(self._backend, "array_types", ())
+        return (np.ndarray,) + tuple(self._backend.array_types)
 
     def store(self, layer, batch, k, v):
         """Write the step's new K and V of one layer into their slots.

@@ -37,10 +37,6 @@ class StepTables:
     cache: dict = field(default_factory=dict)
 
     @property
-    def num_seqs(self):
-        return len(self.seq_lens)
-
-    @property
     def num_tokens(self):
         return len(self.slot_mapping)
 
@@ -64,9 +60,8 @@ class Backend:
         """Bytes of K/V page storage (all layers, K and V)."""
         raise NotImplementedError
 
-    def is_native(self, array):
-        """True if ``array`` lives where this backend computes (for return types)."""
-        raise NotImplementedError
+    #: Array types besides numpy that ``store`` and ``attention`` accept.
+    array_types = ()
 
     def prepare_step(self, tables):
         """Called once per ``append`` with its :class:`StepTables` (e.g. to upload them)."""

@@ -61,9 +61,6 @@ class HostBackend(Backend):
     def memory_bytes(self):
         return self._k.nbytes + self._v.nbytes
 
-    def is_native(self, array):
-        return isinstance(array, np.ndarray)
-
     @staticmethod
     def _host_f32(x):
         if not isinstance(x, np.ndarray):  # e.g. a pyopencl array handed to the host backend
