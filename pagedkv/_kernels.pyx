@@ -10,7 +10,6 @@ cimport numpy as cnp
 from cython.parallel cimport prange, threadid
 from libc.math cimport expf, INFINITY
 from libc.stdint cimport int32_t, int64_t, uint16_t
-from libc.string cimport memcpy
 
 cnp.import_array()
 
@@ -19,10 +18,18 @@ cdef extern from "pkv_half.h" nogil:
     uint16_t pkv_float_to_half(float x)
 
 cdef extern from "pkv_simd.h" nogil:
-    void pkv_halves_to_floats(const uint16_t* src, float* dst, int n)
-    void pkv_scores(const float* q, int nq, const float* k, int nt, int n, float* scores, int ld)
-    void pkv_rescale_accumulate4(float* acc, const float* alpha, const float* p, int ld,
-                                 const float* x, int nt, int n)
+    ctypedef struct pkv_prefetch:
+        pass
+    pkv_prefetch pkv_prefetch_range(const void* start, long nbytes)
+    void pkv_prefetch_rest(pkv_prefetch* pf)
+    void pkv_scores_f32(const float* q, int nq, const float* k, int nt, int n,
+                        float* scores, int ld, pkv_prefetch* pf)
+    void pkv_scores_f16(const float* q, int nq, const uint16_t* k, int nt, int n,
+                        float* scores, int ld, pkv_prefetch* pf)
+    void pkv_accumulate4_f32(float* acc, const float* alpha, const float* p, int ld,
+                             const float* x, int nt, int n, pkv_prefetch* pf)
+    void pkv_accumulate4_f16(float* acc, const float* alpha, const float* p, int ld,
+                             const uint16_t* x, int nt, int n, pkv_prefetch* pf)
     float pkv_exp_shifted(float* s, int n, float m)
 
 ctypedef fused storage_t:
@@ -37,12 +44,20 @@ cdef inline float load(storage_t x) noexcept nogil:
         return pkv_half_to_float(x)
 
 
-cdef inline void stage(const storage_t* src, int n, float* dst) noexcept nogil:
-    """Copy ``src[0:n]`` into ``dst`` as float32 (float16 pools are converted)."""
+cdef inline void page_scores(const float* q, int nq, const storage_t* k, int nt, int n,
+                        float* out, int ld, pkv_prefetch* pf) noexcept nogil:
     if storage_t is float:
-        memcpy(dst, src, n * sizeof(float))
+        pkv_scores_f32(q, nq, k, nt, n, out, ld, pf)
     else:
-        pkv_halves_to_floats(src, dst, n)
+        pkv_scores_f16(q, nq, k, nt, n, out, ld, pf)
+
+
+cdef inline void page_accumulate4(float* acc, const float* alpha, const float* p, int ld,
+                             const storage_t* x, int nt, int n, pkv_prefetch* pf) noexcept nogil:
+    if storage_t is float:
+        pkv_accumulate4_f32(acc, alpha, p, ld, x, nt, n, pf)
+    else:
+        pkv_accumulate4_f16(acc, alpha, p, ld, x, nt, n, pf)
 
 
 cdef inline storage_t convert(float x, storage_t* dummy) noexcept nogil:
@@ -90,14 +105,15 @@ def gather(storage_t[:, :, :, ::1] pool, const int64_t[::1] slots, float[:, :, :
 # -- paged attention ----------------------------------------------------------------
 #
 # A work item is one (sequence, run of KV heads, block of query rows, key
-# range).  Page by page it copies the K/V slices of its heads into a
-# per-thread buffer in one sequential burst, then reads each slice once for
-# all query rows and all query heads of the KV group (GQA), keeps a running
-# max and sum per query (online softmax), and leaves an unnormalised partial
-# result.  Long key ranges are
-# split over several items so that one long sequence still fills every core
-# (split-K, as in FlashDecoding / vLLM v2); `merge_partials` combines the
-# items of a query block by log-sum-exp.
+# range).  Page by page and head by head it reads each K/V slice once, straight
+# from the pool, for all query rows and all query heads of the KV group (GQA),
+# keeps a running max and sum per query (online softmax), and leaves an
+# unnormalised partial result.  While it computes on one page it prefetches
+# the same head's slices of the next page (see pkv_simd.h), so that reading
+# memory and computing overlap.  Long key ranges are split over several items
+# so that one long sequence still fills every core (split-K, as in
+# FlashDecoding / vLLM v2); `merge_partials` combines the items of a query
+# block by log-sum-exp.
 
 cdef enum:
     W_SEQ = 0
@@ -125,7 +141,7 @@ cdef void attend_item(const float[:, :, ::1] q,
     ``run_sum`` [heads_per_item * nq4], head-major, where nq = rows * group
     queries per head are padded to nq4, a multiple of 4, with zero queries:
     the vector primitives then always work on four queries at once.
-    ``scratch`` holds heads_per_item*(nq4 + 2*page_size)*D + nq4*(page_size + 1) floats.
+    ``scratch`` holds heads_per_item*nq4*D + nq4*(page_size + 1) floats.
     """
     cdef int b = item[W_SEQ], h0 = item[W_KV_HEAD]
     cdef int row0 = item[W_ROW0], row1 = item[W_ROW1], key0 = item[W_KEY0], key1 = item[W_KEY1]
@@ -135,16 +151,14 @@ cdef void attend_item(const float[:, :, ::1] q,
     cdef int nq4 = padded_queries(nq)
     # position of query row r is first_pos + r: rows are the sequence's newest tokens
     cdef int first_pos = seq_lens[b] - (query_start[b + 1] - query_start[b]) - query_start[b]
-    cdef int qi, x, hh, d, t, j, t0, t1, nt, limit, page
+    cdef int qi, x, hh, d, t, j, t0, t1, nt, limit, page, next_page
     cdef int last_page = (key1 + ps - 1) // ps
     cdef float m_new, total
     cdef float* queries = scratch                            # [heads, nq4, D], pre-scaled
     cdef float* scores = queries + heads_per_item * nq4 * D  # [nq4, ps]
-    cdef float* k_stage = scores + nq4 * ps                  # [heads, ps, D]
-    cdef float* v_stage = k_stage + heads_per_item * ps * D  # [heads, ps, D]
-    cdef float* alphas = v_stage + heads_per_item * ps * D   # [nq4]
-    cdef const float* keys
-    cdef const float* values
+    cdef float* alphas = scores + nq4 * ps                   # [nq4]
+    cdef long slice_bytes = ps * D * sizeof(storage_t)
+    cdef pkv_prefetch next_keys, next_values
     cdef const float* qv
     cdef float* s
     cdef float* head_acc
@@ -168,18 +182,19 @@ cdef void attend_item(const float[:, :, ::1] q,
         t0 = max(key0, j * ps) - j * ps
         t1 = min(key1, (j + 1) * ps) - j * ps
         nt = t1 - t0
-        # Stage the page's slices of these heads (contiguous in the pool) with
-        # one sequential copy each: a long burst the hardware prefetcher
-        # streams at full speed, where reading while computing kept it idle.
-        stage(&k_pool[page, h0, 0, 0], heads_per_item * ps * D, k_stage)
-        stage(&v_pool[page, h0, 0, 0], heads_per_item * ps * D, v_stage)
+        next_page = page_indices[page_indptr[b] + j + 1] if j + 1 < last_page else -1
         for hh in range(heads_per_item):
             head_acc = acc + hh * nq4 * D
             head_max = run_max + hh * nq4
             head_sum = run_sum + hh * nq4
-            keys = k_stage + (hh * ps + t0) * D
-            values = v_stage + (hh * ps + t0) * D
-            pkv_scores(queries + hh * nq4 * D, nq4, keys, nt, D, scores, ps)
+            if next_page >= 0:
+                next_keys = pkv_prefetch_range(&k_pool[next_page, h0 + hh, 0, 0], slice_bytes)
+                next_values = pkv_prefetch_range(&v_pool[next_page, h0 + hh, 0, 0], slice_bytes)
+            else:
+                next_keys = pkv_prefetch_range(NULL, 0)
+                next_values = pkv_prefetch_range(NULL, 0)
+            page_scores(queries + hh * nq4 * D, nq4, &k_pool[page, h0 + hh, t0, 0], nt, D,
+                        scores, ps, &next_keys)
             # online softmax per query; scores become weights, zero past the
             # query's causal limit (and for the padding queries), so that
             # queries can share one accumulation
@@ -201,8 +216,11 @@ cdef void attend_item(const float[:, :, ::1] q,
                 head_max[qi] = m_new
                 head_sum[qi] = head_sum[qi] * alphas[qi] + total
             for qi in range(0, nq4, 4):
-                pkv_rescale_accumulate4(head_acc + qi * D, alphas + qi, scores + qi * ps, ps,
-                                        values, nt, D)
+                page_accumulate4(head_acc + qi * D, alphas + qi, scores + qi * ps, ps,
+                                 &v_pool[page, h0 + hh, t0, 0], nt, D, &next_values)
+            # a short page leaves part of the next one unprefetched
+            pkv_prefetch_rest(&next_keys)
+            pkv_prefetch_rest(&next_values)
 
 
 def paged_attention(const float[:, :, ::1] q,
@@ -238,9 +256,9 @@ def paged_attention(const float[:, :, ::1] q,
     sum_buf = np.empty((W, heads_per_item * nq_max), dtype=np.float32)
     cdef float[:, :, ::1] acc = acc_buf
     cdef float[:, ::1] run_max = max_buf, run_sum = sum_buf
-    # one scratch row per thread: queries, scores and converted float16 pages
-    scratch_buf = np.empty((num_threads, heads_per_item * (nq_max + 2 * ps) * D
-                            + nq_max * (ps + 1)), dtype=np.float32)
+    # one scratch row per thread: scaled queries, scores and softmax rescales
+    scratch_buf = np.empty((num_threads, heads_per_item * nq_max * D + nq_max * (ps + 1)),
+                           dtype=np.float32)
     cdef float[:, ::1] scratch = scratch_buf
     cdef Py_ssize_t w, m
     if W == 0:

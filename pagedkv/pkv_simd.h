@@ -1,110 +1,293 @@
-/* The vector primitives of the host attention kernel.
+/* The vector micro-kernels of the host attention kernel.
  *
- * Written in C rather than Cython for what Cython cannot say: `restrict`
- * (without it the compiler guards each loop with a run-time alias check),
- * `omp simd reduction` (vectorised dot products; needs -fopenmp or
- * -fopenmp-simd, and is ignored, still correct, without them), vector
- * types, and F16C conversions.  All arithmetic is float32.
+ * Written in C rather than Cython for what Cython cannot say: `restrict`,
+ * vector types (GCC/Clang vector extensions, so one source serves AVX-512,
+ * AVX2 and NEON), lane shuffles, F16C conversions and prefetch hints.  All
+ * arithmetic is float32; K/V rows are float32 or IEEE float16 bits, converted
+ * as they are loaded.
+ *
+ * Both kernels stream one page's K or V slice straight from the pool, and
+ * while they compute they prefetch the next page's slice into L2 a few cache
+ * lines per inner iteration (`pkv_prefetch`).  Spreading the prefetches over
+ * the compute, instead of issuing them in a burst or relying on the hardware
+ * prefetcher, is what lets the DRAM stream and the arithmetic overlap: on a
+ * 2-core AMD EPYC it took 32-decode from 27 ms (copy each page, then compute)
+ * to 19 ms.  Prefetching into L1 (T0) instead fills the L1 miss buffers and
+ * gains nothing.
  */
 #ifndef PKV_SIMD_H
 #define PKV_SIMD_H
 #include <stdint.h>
 #include "pkv_half.h"
-#if defined(__F16C__)
+#if defined(__F16C__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
-/* dst[0:n] = float(src[0:n]) for IEEE float16 bits; 8 at a time with F16C. */
-static inline void pkv_halves_to_floats(const uint16_t *restrict src, float *restrict dst, int n) {
-    int i = 0;
-#if defined(__F16C__)
-    for (; i + 8 <= n; i += 8)
-        _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + i))));
-#endif
-    for (; i < n; i++) dst[i] = pkv_half_to_float(src[i]);
-}
-
 #if defined(__GNUC__) || defined(__clang__)
-/* Eight floats at any 4-byte alignment (GCC/Clang vector extension). */
-typedef float pkv_f32x8 __attribute__((vector_size(32), aligned(4)));
-
-static inline float pkv_hsum8(pkv_f32x8 v) {
-    return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
-}
+#define PKV_VECTOR 1
+#define PKV_INLINE static inline __attribute__((always_inline))
+#else
+#define PKV_VECTOR 0
+#define PKV_INLINE static inline
 #endif
 
-/* scores[qi * ld + t] = dot(q[qi], k[t]) for nq queries (rows of q) and nt
- * keys (rows of k), all rows n floats.  Four queries share each key load and
- * keep their partial sums in registers. */
-static inline void pkv_scores(const float *restrict q, int nq, const float *restrict k, int nt,
-                              int n, float *restrict scores, int ld) {
-    int qi = 0;
-#if defined(__GNUC__) || defined(__clang__)
-    const int n8 = n & ~7;
-    for (; qi + 4 <= nq; qi += 4) {
-        const float *q0 = q + qi * n, *q1 = q0 + n, *q2 = q1 + n, *q3 = q2 + n;
-        for (int t = 0; t < nt; t++) {
-            const float *kt = k + t * n;
-            pkv_f32x8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
-            for (int i = 0; i < n8; i += 8) {
-                const pkv_f32x8 kv = *(const pkv_f32x8 *)(kt + i);
-                a0 += *(const pkv_f32x8 *)(q0 + i) * kv;
-                a1 += *(const pkv_f32x8 *)(q1 + i) * kv;
-                a2 += *(const pkv_f32x8 *)(q2 + i) * kv;
-                a3 += *(const pkv_f32x8 *)(q3 + i) * kv;
+/* -- prefetching the next page ------------------------------------------------ */
+
+/* The not-yet-prefetched rest of the next page's slice: [next, end). */
+typedef struct { const char *next, *end; } pkv_prefetch;
+
+#define PKV_PREFETCH_STEP 256   /* bytes (four cache lines) per inner iteration */
+
+static inline pkv_prefetch pkv_prefetch_range(const void *start, long nbytes) {
+    pkv_prefetch pf = {(const char *)start, (const char *)start + (start ? nbytes : 0)};
+    return pf;
+}
+
+/* Prefetch the next four lines, into L2 (locality 1: prefetcht2 on x86). */
+PKV_INLINE void pkv_prefetch_step(pkv_prefetch *pf) {
+#if PKV_VECTOR
+    if (pf->next < pf->end) {
+        __builtin_prefetch(pf->next, 0, 1);
+        __builtin_prefetch(pf->next + 64, 0, 1);
+        __builtin_prefetch(pf->next + 128, 0, 1);
+        __builtin_prefetch(pf->next + 192, 0, 1);
+        pf->next += PKV_PREFETCH_STEP;
+    }
+#else
+    (void)pf;
+#endif
+}
+
+/* Whatever a short computation left unprefetched. */
+static inline void pkv_prefetch_rest(pkv_prefetch *pf) {
+    while (pf->next < pf->end) pkv_prefetch_step(pf);
+}
+
+/* -- loading float32 or float16 rows ------------------------------------------ */
+
+PKV_INLINE float pkv_load1(const void *x, long i, int half) {
+    return half ? pkv_half_to_float(((const uint16_t *)x)[i]) : ((const float *)x)[i];
+}
+
+#if PKV_VECTOR
+/* PKV_LANES floats at any 4-byte alignment: 16 where AVX-512 gives 32 vector
+ * registers to hold a 4 x 4 tile, else 8 (AVX2, NEON as two registers). */
+#if defined(__AVX512F__)
+#define PKV_LANES 16
+#else
+#define PKV_LANES 8
+#endif
+typedef float pkv_vec __attribute__((vector_size(PKV_LANES * 4), aligned(4)));
+
+PKV_INLINE pkv_vec pkv_load(const void *x, long i, int half) {
+    if (!half) return *(const pkv_vec *)((const float *)x + i);
+    const uint16_t *h = (const uint16_t *)x + i;
+#if PKV_LANES == 16
+    return (pkv_vec)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)h));
+#elif defined(__F16C__)
+    return (pkv_vec)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h));
+#else
+    pkv_vec v;
+    for (int l = 0; l < PKV_LANES; l++) v[l] = pkv_half_to_float(h[l]);
+    return v;
+#endif
+}
+
+PKV_INLINE float pkv_hsum(pkv_vec v) {
+    float s = 0.0f;
+    for (int l = 0; l < PKV_LANES; l++) s += v[l];
+    return s;
+}
+
+/* Keys per score tile: a tile is 4 queries x PKV_KEYS keys, PKV_LANES
+ * accumulators. */
+#define PKV_KEYS (PKV_LANES / 4)
+
+#if defined(__has_builtin)
+#if __has_builtin(__builtin_shufflevector)
+#define PKV_HAVE_SHUFFLE 1
+#endif
+#endif
+
+#if defined(PKV_HAVE_SHUFFLE)
+/* Transposing sum: one vector whose lane a is the sum of the lanes of c[a].
+ * Each level adds pairs of half-vectors, halving the vector count; after
+ * log2(PKV_LANES) levels lane order is bit-reversed, so the inputs are taken
+ * in bit-reversed order.  PKV_SRC(i, h): the lane of (x, y) that lane i takes
+ * at the level that adds halves of width h. */
+#define PKV_SRC(i, h) ((((i) / (h)) & 1 ? PKV_LANES : 0) + (i) / (2 * (h)) * 2 * (h) + (i) % (h))
+#if PKV_LANES == 16
+#define PKV_LANE_LIST(h, o)                                                              \
+    PKV_SRC(0, h) + o, PKV_SRC(1, h) + o, PKV_SRC(2, h) + o, PKV_SRC(3, h) + o,          \
+    PKV_SRC(4, h) + o, PKV_SRC(5, h) + o, PKV_SRC(6, h) + o, PKV_SRC(7, h) + o,          \
+    PKV_SRC(8, h) + o, PKV_SRC(9, h) + o, PKV_SRC(10, h) + o, PKV_SRC(11, h) + o,        \
+    PKV_SRC(12, h) + o, PKV_SRC(13, h) + o, PKV_SRC(14, h) + o, PKV_SRC(15, h) + o
+static const int pkv_bitrev[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
+#else
+#define PKV_LANE_LIST(h, o)                                                              \
+    PKV_SRC(0, h) + o, PKV_SRC(1, h) + o, PKV_SRC(2, h) + o, PKV_SRC(3, h) + o,          \
+    PKV_SRC(4, h) + o, PKV_SRC(5, h) + o, PKV_SRC(6, h) + o, PKV_SRC(7, h) + o
+static const int pkv_bitrev[8] = {0, 4, 2, 6, 1, 5, 3, 7};
+#endif
+#define PKV_ADD_HALVES(x, y, h) \
+    (__builtin_shufflevector(x, y, PKV_LANE_LIST(h, 0)) + __builtin_shufflevector(x, y, PKV_LANE_LIST(h, h)))
+
+PKV_INLINE pkv_vec pkv_transpose_sum(const pkv_vec *c) {
+    pkv_vec b[4], d[2];
+#if PKV_LANES == 16
+    pkv_vec a[8];
+    for (int i = 0; i < 8; i++) a[i] = PKV_ADD_HALVES(c[pkv_bitrev[2 * i]], c[pkv_bitrev[2 * i + 1]], 8);
+    for (int i = 0; i < 4; i++) b[i] = PKV_ADD_HALVES(a[2 * i], a[2 * i + 1], 4);
+#else
+    for (int i = 0; i < 4; i++) b[i] = PKV_ADD_HALVES(c[pkv_bitrev[2 * i]], c[pkv_bitrev[2 * i + 1]], 4);
+#endif
+    for (int i = 0; i < 2; i++) d[i] = PKV_ADD_HALVES(b[2 * i], b[2 * i + 1], 2);
+    return PKV_ADD_HALVES(d[0], d[1], 1);
+}
+#endif /* PKV_HAVE_SHUFFLE */
+#endif /* PKV_VECTOR */
+
+/* -- attention micro-kernels --------------------------------------------------- */
+
+/* scores[qi * ld + t] = dot(q[qi], k[t]) for qi < nq and t < nt.
+ *
+ * q: [nq, n] float32, nq a multiple of 4; k: [nt, n] rows, float32 or (half)
+ * float16 bits.  Tiles of 4 queries x PKV_KEYS keys keep their PKV_LANES
+ * partial sums in registers, so each load of q or k feeds PKV_KEYS or 4
+ * multiply-adds; one transposing sum then finishes the whole tile.  Columns
+ * past the last full vector, and keys past the last full tile, take the
+ * plain paths. */
+PKV_INLINE void pkv_scores_any(const float *restrict q, int nq, const void *restrict k, int half,
+                               int nt, int n, float *restrict scores, int ld, pkv_prefetch *pf) {
+#if PKV_VECTOR
+    const int nv = n / PKV_LANES * PKV_LANES;
+    for (int qi = 0; qi < nq; qi += 4) {
+        const float *qr[4] = {q + qi * n, q + (qi + 1) * n, q + (qi + 2) * n, q + (qi + 3) * n};
+        int t = 0;
+#if defined(PKV_HAVE_SHUFFLE)
+        for (; t + PKV_KEYS <= nt; t += PKV_KEYS) {
+            pkv_vec c[PKV_LANES];                   /* c[qq * PKV_KEYS + kk] */
+            for (int a = 0; a < PKV_LANES; a++) c[a] = (pkv_vec){0};
+            for (int i = 0; i < nv; i += PKV_LANES) {
+                pkv_vec x[PKV_KEYS];
+                for (int kk = 0; kk < PKV_KEYS; kk++) x[kk] = pkv_load(k, (long)(t + kk) * n + i, half);
+                for (int qq = 0; qq < 4; qq++) {
+                    const pkv_vec qv = pkv_load(qr[qq], i, 0);
+                    for (int kk = 0; kk < PKV_KEYS; kk++) c[qq * PKV_KEYS + kk] += qv * x[kk];
+                }
+                pkv_prefetch_step(pf);
             }
-            float s0 = pkv_hsum8(a0), s1 = pkv_hsum8(a1), s2 = pkv_hsum8(a2), s3 = pkv_hsum8(a3);
-            for (int i = n8; i < n; i++) {
-                s0 += q0[i] * kt[i]; s1 += q1[i] * kt[i]; s2 += q2[i] * kt[i]; s3 += q3[i] * kt[i];
+            float sums[PKV_LANES];
+            *(pkv_vec *)sums = pkv_transpose_sum(c);
+            for (int a = 0; a < PKV_LANES; a++) {
+                const int qq = a / PKV_KEYS, kk = a % PKV_KEYS;
+                float s = sums[a];
+                for (int i = nv; i < n; i++) s += qr[qq][i] * pkv_load1(k, (long)(t + kk) * n + i, half);
+                scores[(qi + qq) * ld + t + kk] = s;
             }
-            scores[qi * ld + t] = s0; scores[(qi + 1) * ld + t] = s1;
-            scores[(qi + 2) * ld + t] = s2; scores[(qi + 3) * ld + t] = s3;
+        }
+#endif
+        for (; t < nt; t++) {
+            pkv_vec c[4] = {{0}};
+            for (int i = 0; i < nv; i += PKV_LANES) {
+                const pkv_vec x = pkv_load(k, (long)t * n + i, half);
+                for (int qq = 0; qq < 4; qq++) c[qq] += pkv_load(qr[qq], i, 0) * x;
+            }
+            for (int qq = 0; qq < 4; qq++) {
+                float s = pkv_hsum(c[qq]);
+                for (int i = nv; i < n; i++) s += qr[qq][i] * pkv_load1(k, (long)t * n + i, half);
+                scores[(qi + qq) * ld + t] = s;
+            }
         }
     }
-#endif
-    for (; qi < nq; qi++) {
+#else
+    (void)pf;
+    for (int qi = 0; qi < nq; qi++)
         for (int t = 0; t < nt; t++) {
             float s = 0.0f;
-            #pragma omp simd reduction(+:s)
-            for (int i = 0; i < n; i++) s += q[qi * n + i] * k[t * n + i];
+            for (int i = 0; i < n; i++) s += q[qi * n + i] * pkv_load1(k, (long)t * n + i, half);
             scores[qi * ld + t] = s;
         }
-    }
+#endif
 }
 
-/* For q in 0..3: acc[q*n : q*n+n] = alpha[q] * acc[q*n : ...] + sum over t < nt
- * of p[q*ld + t] * x[t*n : t*n+n].  Four queries share each load of x, and
- * each 8-column block of the four accumulators stays in registers across all
- * nt rows (GCC/Clang vector extensions; plain loops elsewhere). */
-static inline void pkv_rescale_accumulate4(float *restrict acc, const float *restrict alpha,
-                                           const float *restrict p, int ld,
-                                           const float *restrict x, int nt, int n) {
-    int i0 = 0;
-#if defined(__GNUC__) || defined(__clang__)
-    for (; i0 + 8 <= n; i0 += 8) {
-        pkv_f32x8 a0 = *(const pkv_f32x8 *)(acc + i0) * alpha[0];
-        pkv_f32x8 a1 = *(const pkv_f32x8 *)(acc + n + i0) * alpha[1];
-        pkv_f32x8 a2 = *(const pkv_f32x8 *)(acc + 2 * n + i0) * alpha[2];
-        pkv_f32x8 a3 = *(const pkv_f32x8 *)(acc + 3 * n + i0) * alpha[3];
-        for (int t = 0; t < nt; t++) {
-            const pkv_f32x8 xv = *(const pkv_f32x8 *)(x + t * n + i0);
-            a0 += p[t] * xv;
-            a1 += p[ld + t] * xv;
-            a2 += p[2 * ld + t] * xv;
-            a3 += p[3 * ld + t] * xv;
-        }
-        *(pkv_f32x8 *)(acc + i0) = a0;
-        *(pkv_f32x8 *)(acc + n + i0) = a1;
-        *(pkv_f32x8 *)(acc + 2 * n + i0) = a2;
-        *(pkv_f32x8 *)(acc + 3 * n + i0) = a3;
-    }
+/* Accumulator vectors per query in one column block of pkv_accumulate4_any:
+ * 4 x 4 = 16 registers of the 32 AVX-512 has, 4 x 2 of AVX2's 16. */
+#if PKV_VECTOR && PKV_LANES == 16
+#define PKV_BLOCK_VECS 4
+#else
+#define PKV_BLOCK_VECS 2
 #endif
-    for (int q = 0; q < 4; q++)
-        for (int i = i0; i < n; i++) {
-            float a = acc[q * n + i] * alpha[q];
-            for (int t = 0; t < nt; t++) a += p[q * ld + t] * x[t * n + i];
-            acc[q * n + i] = a;
+
+#if PKV_VECTOR
+/* Columns i0 : i0 + width * PKV_LANES of pkv_accumulate4_any (width constant
+ * at each call, so that the accumulators are registers). */
+PKV_INLINE void pkv_accumulate_block(float *restrict acc, const float *restrict alpha,
+                                     const float *restrict p, int ld, const void *restrict x,
+                                     int half, int nt, int n, int i0, int width,
+                                     pkv_prefetch *pf) {
+    pkv_vec a[4][PKV_BLOCK_VECS];
+    for (int qq = 0; qq < 4; qq++)
+        for (int c = 0; c < width; c++)
+            a[qq][c] = pkv_load(acc + qq * n, i0 + c * PKV_LANES, 0) * alpha[qq];
+    for (int t = 0; t < nt; t++) {
+        pkv_vec xv[PKV_BLOCK_VECS];
+        for (int c = 0; c < width; c++) xv[c] = pkv_load(x, (long)t * n + i0 + c * PKV_LANES, half);
+        for (int qq = 0; qq < 4; qq++) {
+            const float w = p[qq * ld + t];
+            for (int c = 0; c < width; c++) a[qq][c] += w * xv[c];
         }
+        pkv_prefetch_step(pf);
+    }
+    for (int qq = 0; qq < 4; qq++)
+        for (int c = 0; c < width; c++)
+            *(pkv_vec *)(acc + qq * n + i0 + c * PKV_LANES) = a[qq][c];
+}
+#endif
+
+/* For query qq < 4: acc[qq * n : +n] = alpha[qq] * acc[qq * n : +n]
+ *                                      + sum over t < nt of p[qq * ld + t] * x[t].
+ *
+ * x: [nt, n] rows, float32 or (half) float16 bits.  Each column block of the
+ * four accumulators stays in registers across all nt rows, and each load of
+ * x feeds four multiply-adds. */
+PKV_INLINE void pkv_accumulate4_any(float *restrict acc, const float *restrict alpha,
+                                    const float *restrict p, int ld, const void *restrict x,
+                                    int half, int nt, int n, pkv_prefetch *pf) {
+    int i0 = 0;
+#if PKV_VECTOR
+    for (; i0 + PKV_BLOCK_VECS * PKV_LANES <= n; i0 += PKV_BLOCK_VECS * PKV_LANES)
+        pkv_accumulate_block(acc, alpha, p, ld, x, half, nt, n, i0, PKV_BLOCK_VECS, pf);
+    for (; i0 + PKV_LANES <= n; i0 += PKV_LANES)
+        pkv_accumulate_block(acc, alpha, p, ld, x, half, nt, n, i0, 1, pf);
+#else
+    (void)pf;
+#endif
+    for (int qq = 0; qq < 4; qq++)
+        for (int i = i0; i < n; i++) {
+            float a = acc[qq * n + i] * alpha[qq];
+            for (int t = 0; t < nt; t++) a += p[qq * ld + t] * pkv_load1(x, (long)t * n + i, half);
+            acc[qq * n + i] = a;
+        }
+}
+
+/* The entry points for Cython, one per storage type: each instantiates the
+ * always-inline kernel with a constant `half`. */
+static inline void pkv_scores_f32(const float *q, int nq, const float *k, int nt, int n,
+                                  float *scores, int ld, pkv_prefetch *pf) {
+    pkv_scores_any(q, nq, k, 0, nt, n, scores, ld, pf);
+}
+static inline void pkv_scores_f16(const float *q, int nq, const uint16_t *k, int nt, int n,
+                                  float *scores, int ld, pkv_prefetch *pf) {
+    pkv_scores_any(q, nq, k, 1, nt, n, scores, ld, pf);
+}
+static inline void pkv_accumulate4_f32(float *acc, const float *alpha, const float *p, int ld,
+                                       const float *x, int nt, int n, pkv_prefetch *pf) {
+    pkv_accumulate4_any(acc, alpha, p, ld, x, 0, nt, n, pf);
+}
+static inline void pkv_accumulate4_f16(float *acc, const float *alpha, const float *p, int ld,
+                                       const uint16_t *x, int nt, int n, pkv_prefetch *pf) {
+    pkv_accumulate4_any(acc, alpha, p, ld, x, 1, nt, n, pf);
 }
 
 /* s[i] = exp(s[i] - m) for s[i] <= m; returns the sum of the results.
