@@ -31,9 +31,11 @@
 #if defined(__GNUC__) || defined(__clang__)
 #define PKV_VECTOR 1
 #define PKV_INLINE static inline __attribute__((always_inline))
+#define PKV_NOINLINE static __attribute__((noinline))
 #else
 #define PKV_VECTOR 0
 #define PKV_INLINE static inline
+#define PKV_NOINLINE static
 #endif
 
 /* -- prefetching the next page ------------------------------------------------ */
@@ -163,7 +165,8 @@ PKV_INLINE pkv_vec pkv_transpose_sum(const pkv_vec *c) {
  * past the last full vector, and keys past the last full tile, take the
  * plain paths. */
 PKV_INLINE void pkv_scores_any(const float *restrict q, int nq, const void *restrict k, int half,
-                               int nt, int n, float *restrict scores, int ld, pkv_prefetch *pf) {
+                               int nt, int n, float *restrict scores, int ld, pkv_prefetch *pf_io) {
+    pkv_prefetch cursor = *pf_io, *pf = &cursor;  /* a local the compiler keeps in registers */
 #if PKV_VECTOR
     const int nv = n / PKV_LANES * PKV_LANES;
     for (int qi = 0; qi < nq; qi += 4) {
@@ -214,6 +217,7 @@ PKV_INLINE void pkv_scores_any(const float *restrict q, int nq, const void *rest
             scores[qi * ld + t] = s;
         }
 #endif
+    *pf_io = cursor;
 }
 
 /* Accumulator vectors per query in one column block of pkv_accumulate4_any:
@@ -258,7 +262,8 @@ PKV_INLINE void pkv_accumulate_block(float *restrict acc, const float *restrict 
  * x feeds four multiply-adds. */
 PKV_INLINE void pkv_accumulate4_any(float *restrict acc, const float *restrict alpha,
                                     const float *restrict p, int ld, const void *restrict x,
-                                    int half, int nt, int n, pkv_prefetch *pf) {
+                                    int half, int nt, int n, pkv_prefetch *pf_io) {
+    pkv_prefetch cursor = *pf_io, *pf = &cursor;  /* a local the compiler keeps in registers */
     int i0 = 0;
 #if PKV_VECTOR
     for (; i0 + PKV_BLOCK_VECS * PKV_LANES <= n; i0 += PKV_BLOCK_VECS * PKV_LANES)
@@ -274,13 +279,16 @@ PKV_INLINE void pkv_accumulate4_any(float *restrict acc, const float *restrict a
             for (int t = 0; t < nt; t++) a += p[qq * ld + t] * pkv_load1(x, (long)t * n + i, half);
             acc[qq * n + i] = a;
         }
+    *pf_io = cursor;
 }
 
 /* The entry points for Cython, one per storage type.  Each instantiates the
  * always-inline kernel with a constant `half`, and with a constant row length
  * for the head sizes of common models: the compiler then unrolls the column
  * loop and addresses rows at fixed offsets, which frees the registers that a
- * run-time stride ties up (float16 decode 12.4 -> 10 ms, float32 18 -> 17). */
+ * run-time stride ties up (float16 decode 12.4 -> 10 ms, float32 18 -> 17).
+ * They are kept out of line: inlined into the Cython caller, they shared its
+ * registers and spilled the accumulators. */
 #define PKV_WITH_HEAD_DIM(call)                                        \
     switch (n) {                                                      \
     case 64: call(64); break;                                         \
@@ -291,25 +299,25 @@ PKV_INLINE void pkv_accumulate4_any(float *restrict acc, const float *restrict a
     default: call(n);                                                 \
     }
 
-static inline void pkv_scores_f32(const float *q, int nq, const float *k, int nt, int n,
+PKV_NOINLINE void pkv_scores_f32(const float *q, int nq, const float *k, int nt, int n,
                                   float *scores, int ld, pkv_prefetch *pf) {
 #define PKV_CALL(N) pkv_scores_any(q, nq, k, 0, nt, N, scores, ld, pf)
     PKV_WITH_HEAD_DIM(PKV_CALL)
 #undef PKV_CALL
 }
-static inline void pkv_scores_f16(const float *q, int nq, const uint16_t *k, int nt, int n,
+PKV_NOINLINE void pkv_scores_f16(const float *q, int nq, const uint16_t *k, int nt, int n,
                                   float *scores, int ld, pkv_prefetch *pf) {
 #define PKV_CALL(N) pkv_scores_any(q, nq, k, 1, nt, N, scores, ld, pf)
     PKV_WITH_HEAD_DIM(PKV_CALL)
 #undef PKV_CALL
 }
-static inline void pkv_accumulate4_f32(float *acc, const float *alpha, const float *p, int ld,
+PKV_NOINLINE void pkv_accumulate4_f32(float *acc, const float *alpha, const float *p, int ld,
                                        const float *x, int nt, int n, pkv_prefetch *pf) {
 #define PKV_CALL(N) pkv_accumulate4_any(acc, alpha, p, ld, x, 0, nt, N, pf)
     PKV_WITH_HEAD_DIM(PKV_CALL)
 #undef PKV_CALL
 }
-static inline void pkv_accumulate4_f16(float *acc, const float *alpha, const float *p, int ld,
+PKV_NOINLINE void pkv_accumulate4_f16(float *acc, const float *alpha, const float *p, int ld,
                                        const uint16_t *x, int nt, int n, pkv_prefetch *pf) {
 #define PKV_CALL(N) pkv_accumulate4_any(acc, alpha, p, ld, x, 1, nt, N, pf)
     PKV_WITH_HEAD_DIM(PKV_CALL)
