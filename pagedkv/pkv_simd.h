@@ -100,6 +100,14 @@ PKV_INLINE pkv_vec pkv_load(const void *x, long i, int half) {
 #endif
 }
 
+#if defined(__x86_64__) || defined(__i386__)
+#define PKV_IN_REGISTER(v) __asm__("" : "+v"(v))
+#elif defined(__aarch64__)
+#define PKV_IN_REGISTER(v) __asm__("" : "+w"(v))
+#else
+#define PKV_IN_REGISTER(v) ((void)0)
+#endif
+
 PKV_INLINE float pkv_hsum(pkv_vec v) {
     float s = 0.0f;
     for (int l = 0; l < PKV_LANES; l++) s += v[l];
@@ -178,9 +186,13 @@ PKV_INLINE void pkv_scores_any(const float *restrict q, int nq, const void *rest
             for (int a = 0; a < PKV_LANES; a++) c[a] = (pkv_vec){0};
             for (int i = 0; i < nv; i += PKV_LANES) {
                 pkv_vec x[PKV_KEYS];
-                for (int kk = 0; kk < PKV_KEYS; kk++) x[kk] = pkv_load(k, (long)(t + kk) * n + i, half);
+                for (int kk = 0; kk < PKV_KEYS; kk++) {
+                    x[kk] = pkv_load(k, (long)(t + kk) * n + i, half);
+                    PKV_IN_REGISTER(x[kk]);
+                }
                 for (int qq = 0; qq < 4; qq++) {
-                    const pkv_vec qv = pkv_load(qr[qq], i, 0);
+                    pkv_vec qv = pkv_load(qr[qq], i, 0);
+                    PKV_IN_REGISTER(qv);
                     for (int kk = 0; kk < PKV_KEYS; kk++) c[qq * PKV_KEYS + kk] += qv * x[kk];
                 }
                 pkv_prefetch_step(pf);
@@ -241,7 +253,10 @@ PKV_INLINE void pkv_accumulate_block(float *restrict acc, const float *restrict 
             a[qq][c] = pkv_load(acc + qq * n, i0 + c * PKV_LANES, 0) * alpha[qq];
     for (int t = 0; t < nt; t++) {
         pkv_vec xv[PKV_BLOCK_VECS];
-        for (int c = 0; c < width; c++) xv[c] = pkv_load(x, (long)t * n + i0 + c * PKV_LANES, half);
+        for (int c = 0; c < width; c++) {
+            xv[c] = pkv_load(x, (long)t * n + i0 + c * PKV_LANES, half);
+            PKV_IN_REGISTER(xv[c]);
+        }
         for (int qq = 0; qq < 4; qq++) {
             const float w = p[qq * ld + t];
             for (int c = 0; c < width; c++) a[qq][c] += w * xv[c];
