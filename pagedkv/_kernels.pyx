@@ -30,7 +30,8 @@ cdef extern from "pkv_simd.h" nogil:
                              const float* x, int nt, int n, pkv_prefetch* pf)
     void pkv_accumulate4_f16(float* acc, const float* alpha, const float* p, int ld,
                              const uint16_t* x, int nt, int n, pkv_prefetch* pf)
-    float pkv_exp_shifted(float* s, int n, float m)
+    void pkv_softmax_page(float* s, int ld, int nq, int nq_padded, int nt, int first_limit,
+                          int group, float* run_max, float* run_sum, float* alpha)
 
 ctypedef fused storage_t:
     float
@@ -151,16 +152,14 @@ cdef void attend_item(const float[:, :, ::1] q,
     cdef int nq4 = padded_queries(nq)
     # position of query row r is first_pos + r: rows are the sequence's newest tokens
     cdef int first_pos = seq_lens[b] - (query_start[b + 1] - query_start[b]) - query_start[b]
-    cdef int qi, x, hh, d, t, j, t0, t1, nt, limit, page, next_page
+    cdef int qi, x, hh, d, j, t0, t1, nt, page, next_page
     cdef int last_page = (key1 + ps - 1) // ps
-    cdef float m_new, total
     cdef float* queries = scratch                            # [heads, nq4, D], pre-scaled
     cdef float* scores = queries + heads_per_item * nq4 * D  # [nq4, ps]
     cdef float* alphas = scores + nq4 * ps                   # [nq4]
     cdef long slice_bytes = ps * D * sizeof(storage_t)
     cdef pkv_prefetch next_keys, next_values
     cdef const float* qv
-    cdef float* s
     cdef float* head_acc
     cdef float* head_max
     cdef float* head_sum
@@ -195,26 +194,10 @@ cdef void attend_item(const float[:, :, ::1] q,
                 next_values = pkv_prefetch_range(NULL, 0)
             page_scores(queries + hh * nq4 * D, nq4, &k_pool[page, h0 + hh, t0, 0], nt, D,
                         scores, ps, &next_keys)
-            # online softmax per query; scores become weights, zero past the
-            # query's causal limit (and for the padding queries), so that
-            # queries can share one accumulation
-            for qi in range(nq4):
-                limit = min(nt, first_pos + row0 + qi // group - j * ps - t0 + 1) if qi < nq else 0
-                s = scores + qi * ps
-                alphas[qi] = 1.0
-                if limit <= 0:
-                    for t in range(nt):
-                        s[t] = 0.0
-                    continue
-                m_new = head_max[qi]
-                for t in range(limit):
-                    m_new = max(m_new, s[t])
-                total = pkv_exp_shifted(s, limit, m_new)
-                for t in range(limit, nt):
-                    s[t] = 0.0
-                alphas[qi] = expf(head_max[qi] - m_new)
-                head_max[qi] = m_new
-                head_sum[qi] = head_sum[qi] * alphas[qi] + total
+            # online softmax: scores become weights, zero past each query's
+            # causal limit, and alphas rescale the accumulators
+            pkv_softmax_page(scores, ps, nq, nq4, nt, first_pos + row0 - j * ps - t0 + 1, group,
+                             head_max, head_sum, alphas)
             for qi in range(0, nq4, 4):
                 page_accumulate4(head_acc + qi * D, alphas + qi, scores + qi * ps, ps,
                                  &v_pool[page, h0 + hh, t0, 0], nt, D, &next_values)

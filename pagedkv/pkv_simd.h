@@ -371,4 +371,38 @@ static inline float pkv_exp_shifted(float *restrict s, int n, float m) {
     return total;
 }
 
+
+/* One page of online softmax for queries 0 : nq_padded (see attend_item).
+ *
+ * s[qi * ld + t], t < nt: the page's scores in, the weights out.  Query qi < nq
+ * sees keys t < limit(qi) = min(nt, first_limit + qi / group) (causal; its
+ * query row is qi / group); padding queries qi >= nq see none.  Weights past
+ * the limit are zero, so that queries can share one accumulation.  run_max
+ * and run_sum [nq_padded] are the running max and sum; alpha[qi] receives
+ * exp(old max - new max), the factor that rescales query qi's accumulator. */
+static inline void pkv_softmax_page(float *restrict s, int ld, int nq, int nq_padded, int nt,
+                                    int first_limit, int group, float *restrict run_max,
+                                    float *restrict run_sum, float *restrict alpha) {
+    for (int qi = 0; qi < nq_padded; qi++) {
+        float *row = s + qi * ld;
+        int limit = qi < nq ? first_limit + qi / group : 0;
+        limit = limit < nt ? limit : nt;
+        alpha[qi] = 1.0f;
+        if (limit <= 0) {
+            for (int t = 0; t < nt; t++) row[t] = 0.0f;
+            continue;
+        }
+        float m = run_max[qi];
+        #pragma omp simd reduction(max:m)
+        for (int t = 0; t < limit; t++) m = row[t] > m ? row[t] : m;
+        const float total = pkv_exp_shifted(row, limit, m);
+        for (int t = limit; t < nt; t++) row[t] = 0.0f;
+        float rescale = run_max[qi];          /* exp(old - new): 0 when old is -inf */
+        pkv_exp_shifted(&rescale, 1, m);
+        alpha[qi] = rescale;
+        run_max[qi] = m;
+        run_sum[qi] = run_sum[qi] * rescale + total;
+    }
+}
+
 #endif
