@@ -116,23 +116,7 @@ typedef int pkv_sivec;
                       (((x).s4 + (x).s5) + ((x).s6 + (x).s7)))
 
 /* pkv_exp (pkv_common.h) on PKV_SW lanes at once; x <= 0, -inf or NaN */
-inline pkv_svec pkv_exp_s(pkv_svec x) {
-    const pkv_svec t = x * 1.44269504f;
-    const pkv_svec shifted = t + 12582912.0f;     /* low mantissa bits hold round(t) */
-    const pkv_svec n = shifted - 12582912.0f;
-    const pkv_sivec ni = PKV_AS_SIVEC(shifted) - 0x4B400000;
-    const pkv_svec r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
-    const pkv_svec z = r * r;
-    pkv_svec p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    const pkv_svec e = (p * z + r + 1.0f) * PKV_AS_SVEC((ni + 127) << 23);
-    /* below -87.3 (and -inf): 0; NaN stays NaN */
-    return x >= -87.3f ? e : (x != x ? x : (pkv_svec)(0.0f));
-}
+PKV_DEFINE_EXP(pkv_exp_s, pkv_svec, pkv_sivec, PKV_AS_SVEC, PKV_AS_SIVEC)
 
 /* dot[i][j] -> scores: 8 horizontal sums at once when the tile holds 8 float8s */
 #if PKV_VW == 8 && PKV_TB * PKV_QB == 8   /* tile n = i * PKV_QB + j */

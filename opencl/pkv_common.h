@@ -112,22 +112,30 @@ typedef uint pkv_bits;
  * x = n ln2 + r, |r| <= ln2/2, and Cephes' degree-6 polynomial for e**r
  * (about 1 ulp).  Inline arithmetic, unlike a library call that a driver
  * may not inline.  Results below FLT_MIN (x < -87.3) come out as 0, which
- * next to the softmax's largest weight of 1 changes nothing. */
-inline float pkv_exp(float x) {
-    const float t = x * 1.44269504f;                       /* x / ln 2 */
-    const float n = (t + 12582912.0f) - 12582912.0f;       /* round to nearest (1.5 * 2**23) */
-    const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
-    const float z = r * r;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    const float e = p * z + r + 1.0f;
-    const float result = e * as_float(((int)n + 127) << 23);
-    return x >= -87.3f ? result : (x != x ? x : 0.0f);
+ * next to the softmax's largest weight of 1 changes nothing.
+ *
+ * PKV_DEFINE_EXP(name, T, IT, AS_T, AS_IT) defines it for a float type T
+ * (float or a vector) with the int type IT of the same shape and their bit
+ * casts: pkv_exp below, and attention.cl's vector pkv_exp_s. */
+#define PKV_DEFINE_EXP(name, T, IT, AS_T, AS_IT)                                     \
+inline T name(T x) {                                                                \
+    const T shifted = x * 1.44269504f + 12582912.0f;  /* low bits: round(x / ln 2) */ \
+    const T n = shifted - 12582912.0f;                                               \
+    const IT ni = AS_IT(shifted) - 0x4B400000;                                       \
+    const T r = (x - n * 0.693359375f) + n * 2.12194440e-4f;                         \
+    const T z = r * r;                                                               \
+    T p = 1.9875691500e-4f;                                                          \
+    p = p * r + 1.3981999507e-3f;                                                    \
+    p = p * r + 8.3334519073e-3f;                                                    \
+    p = p * r + 4.1665795894e-2f;                                                    \
+    p = p * r + 1.6666665459e-1f;                                                    \
+    p = p * r + 5.0000001201e-1f;                                                    \
+    const T e = (p * z + r + 1.0f) * AS_T((ni + 127) << 23);                         \
+    /* below -87.3 (and -inf): 0; NaN stays NaN */                                   \
+    return x >= -87.3f ? e : (x != x ? x : (T)(0.0f));                               \
 }
+
+PKV_DEFINE_EXP(pkv_exp, float, int, as_float, as_int)
 
 /* Element offset of row `offset` (token within page) of `head` in `page`. */
 inline ulong pkv_row(int page, int head, int offset, int num_kv_heads, int page_size) {
