@@ -61,12 +61,20 @@ directives = {
 }
 
 
-def ext(name, language="c"):
+# numpy's static npymath library: pkv_half.h falls back on its float16
+# conversions where the compiler has no _Float16 (it lies next to numpy's
+# headers in numpy 1.x and 2.x alike).
+NPYMATH_DIR = os.path.join(os.path.dirname(np.get_include()), "lib")
+
+
+def ext(name, language="c", libraries=()):
     return Extension(
         f"pagedkv.{name}",
         [f"pagedkv/{name}.pyx"],
         include_dirs=[np.get_include(), "pagedkv"],
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
+        library_dirs=[NPYMATH_DIR] if libraries else [],
+        libraries=list(libraries),
         extra_compile_args=compile_args,
         extra_link_args=link_args,
         language=language,
@@ -75,7 +83,7 @@ def ext(name, language="c"):
 
 setup(
     ext_modules=cythonize(
-        [ext("_allocator"), ext("_page_table", "c++"), ext("_kernels")],
+        [ext("_allocator"), ext("_page_table", "c++"), ext("_kernels", libraries=["npymath"])],
         compiler_directives=directives,
     ),
 )

@@ -29,7 +29,9 @@
 #pragma GCC diagnostic ignored "-Wpsabi"
 #endif
 
-#if defined(__GNUC__) || defined(__clang__)
+/* PKV_NO_VECTOR: build the plain-loop fallback (what a compiler without
+ * vector extensions gets), for testing it. */
+#if (defined(__GNUC__) || defined(__clang__)) && !defined(PKV_NO_VECTOR)
 #define PKV_VECTOR 1
 #define PKV_INLINE static inline __attribute__((always_inline))
 #define PKV_NOINLINE static __attribute__((noinline))
@@ -53,17 +55,15 @@ static inline pkv_prefetch pkv_prefetch_range(const void *start, long nbytes) {
 
 /* Prefetch the next four lines, into L2 (locality 1: prefetcht2 on x86). */
 PKV_INLINE void pkv_prefetch_step(pkv_prefetch *pf) {
-#if PKV_VECTOR
     if (pf->next < pf->end) {
+#if PKV_VECTOR
         __builtin_prefetch(pf->next, 0, 1);
         __builtin_prefetch(pf->next + 64, 0, 1);
         __builtin_prefetch(pf->next + 128, 0, 1);
         __builtin_prefetch(pf->next + 192, 0, 1);
+#endif
         pf->next += PKV_PREFETCH_STEP;
     }
-#else
-    (void)pf;
-#endif
 }
 
 /* Whatever a short computation left unprefetched. */
