@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import pagedkv
-from pagedkv.backends import _opencl_device
+from pagedkv.backends import _opencl_device, resolve_backend
 from reference import TOLERANCE, dense_attention
 
 HAS_OPENCL = "opencl" in pagedkv.available_backends()
@@ -75,6 +75,31 @@ def test_no_device_says_how_to_install(monkeypatch, fresh_availability, failure)
     monkeypatch.setattr(cl, "get_platforms", get_platforms)
     with pytest.raises(pagedkv.BackendUnavailableError, match=r'pip install "pagedkv\[opencl\]"'):
         pagedkv.PagedKVCache(1, 2, 32, num_pages=8, backend="opencl")
+
+
+@needs_opencl
+@pytest.mark.parametrize("kinds,env,expected", [
+    (["CPU"], {}, "host"),                      # PoCL alone: the host kernels are faster
+    (["CPU", "GPU"], {}, "opencl"),
+    (["ACCELERATOR"], {}, "opencl"),
+    (["CPU"], {"PAGEDKV_DEVICE": "0:0"}, "opencl"),   # a device named on purpose
+])
+def test_auto_takes_opencl_for_a_gpu_or_a_named_device(monkeypatch, fresh_availability, kinds,
+                                                       env, expected):
+    class FakeDevice:
+        def __init__(self, kind):
+            self.type = getattr(cl.device_type, kind)
+
+    class FakePlatform:
+        def get_devices(self):
+            return [FakeDevice(kind) for kind in kinds]
+
+    monkeypatch.setattr(cl, "get_platforms", lambda: [FakePlatform()])
+    for name in ("PAGEDKV_BACKEND", "PAGEDKV_DEVICE", "PYOPENCL_CTX"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert resolve_backend("auto") == expected
 
 
 @needs_opencl

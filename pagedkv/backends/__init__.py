@@ -11,7 +11,8 @@ import os
 
 from pagedkv.errors import BackendUnavailableError
 
-# name -> "module:Class"; "auto" tries them in this order and takes the first usable.
+# name -> "module:Class"; "auto" tries them in this order and takes the first that
+# can run here and suits it (see ``Backend.suits_auto``).
 _REGISTRY = {
     "opencl": "pagedkv.backends.opencl:OpenCLBackend",
     "host": "pagedkv.backends.host:HostBackend",
@@ -57,7 +58,8 @@ def resolve_backend(name):
     if name == "auto":
         name = os.environ.get("PAGEDKV_BACKEND", "auto") or "auto"
         if name == "auto":
-            return next(n for n in _AUTO_ORDER if unavailable_reason(n) is None)
+            return next(n for n in _AUTO_ORDER
+                        if unavailable_reason(n) is None and backend_class(n).suits_auto())
     if not isinstance(name, str) or name not in _REGISTRY:
         raise ValueError(f"backend: expected one of {sorted(_REGISTRY) + ['auto']}, got {name!r}")
     reason = unavailable_reason(name)

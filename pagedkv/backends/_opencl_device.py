@@ -22,6 +22,7 @@ INSTALL_HINT = ('pip install "pagedkv[opencl]" (pyopencl plus the PoCL CPU drive
 
 _UNSET = object()
 _unavailable = _UNSET          # cached answer of unavailable_reason()
+_preferred = _UNSET            # cached answer of has_preferred_device()
 _contexts = {}                 # Device -> Context, so that every cache on a device shares programs
 
 
@@ -36,10 +37,28 @@ def unavailable_reason():
     return _unavailable
 
 
+def has_preferred_device():
+    """Whether ``backend="auto"`` should take opencl (call only when it is available).
+
+    Yes when ``$PAGEDKV_DEVICE`` or ``$PYOPENCL_CTX`` names a device, or when a
+    GPU or accelerator exists.  A machine whose only OpenCL device is a CPU
+    driver (PoCL) runs the host backend's own kernels faster on the same
+    cores (see the README's figures), so auto takes host there.  Cached for
+    the process, like ``unavailable_reason``.
+    """
+    global _preferred
+    if _preferred is _UNSET:
+        import pyopencl as cl
+        named = os.environ.get("PAGEDKV_DEVICE") or os.environ.get("PYOPENCL_CTX")
+        _preferred = bool(named) or any(not device.type & cl.device_type.CPU
+                                        for _, _, device in _all_devices(cl))
+    return _preferred
+
+
 def reset_availability_cache():
-    """Forget the cached ``unavailable_reason`` (for tests that fake a missing driver)."""
-    global _unavailable
-    _unavailable = _UNSET
+    """Forget the cached answers above (for tests that fake a driver)."""
+    global _unavailable, _preferred
+    _unavailable = _preferred = _UNSET
 
 
 def _probe():

@@ -51,6 +51,11 @@ class Backend:
         """None if this backend can run here; else why not and how to fix it."""
         raise NotImplementedError
 
+    @classmethod
+    def suits_auto(cls):
+        """Whether ``backend="auto"`` should take this backend when it can run."""
+        return True
+
     def __init__(self, *, num_layers, num_kv_heads, head_dim, num_pages, page_size,
                  dtype, device=None):
         raise NotImplementedError

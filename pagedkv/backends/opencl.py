@@ -16,7 +16,8 @@ the pool, so even a corrupt table cannot make it touch memory out of bounds.
 """
 import numpy as np
 
-from pagedkv.backends._opencl_device import select_device, unavailable_reason
+from pagedkv.backends._opencl_device import (has_preferred_device, select_device,
+                                              unavailable_reason)
 from pagedkv.backends._opencl_layout import KernelLayout, _floor_pow2
 from pagedkv.backends._opencl_program import build_program
 from pagedkv.backends.base import Backend
@@ -108,6 +109,10 @@ class OpenCLBackend(Backend):
     @classmethod
     def unavailable_reason(cls):
         return unavailable_reason()
+
+    @classmethod
+    def suits_auto(cls):
+        return has_preferred_device()
 
     def __init__(self, *, num_layers, num_kv_heads, head_dim, num_pages, page_size,
                  dtype, device=None):
