@@ -393,7 +393,9 @@ cdef class PageTables:
                 while <int64_t>seq.pages.size() < pages_for(new_len, ps):
                     seq.pages.push_back(self.allocator.take_page())
                 if track and <int64_t>seq.tokens.size() == seq.length:
-                    seq.tokens.insert(seq.tokens.end(), &tokens[row], &tokens[row] + counts[b])
+                    if counts[b] > 0:   # (row may be one past the end of tokens otherwise)
+                        seq.tokens.insert(seq.tokens.end(), &tokens[row],
+                                          &tokens[row] + counts[b])
                     self.cache_full_pages(seq, hashes[b])
                 for pos in range(seq.length, new_len):
                     slot_mapping[row] = <int64_t>seq.pages[pos // ps] * ps + pos % ps

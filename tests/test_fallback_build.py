@@ -1,6 +1,6 @@
 """The host kernels' portable fallbacks, which this machine's compiler never takes.
 
-``_kernels.pyx`` is rebuilt from the installed sources with
+``_kernels.pyx`` is rebuilt from the installed sources, bounds-checked, with
 ``PKV_NO_VECTOR`` (the plain loops a compiler without vector extensions
 gets) and ``PKV_NO_FLOAT16`` (numpy's npymath float16 conversions, for a
 compiler without ``_Float16``), then a ragged float32 and float16 workload
@@ -31,7 +31,7 @@ SETUP = textwrap.dedent("""
                    libraries=["npymath"],
                    define_macros=[("PKV_NO_VECTOR", None), ("PKV_NO_FLOAT16", None)],
                    extra_compile_args=["-O1"])],
-        compiler_directives={"language_level": 3, "boundscheck": False, "wraparound": False},
+        compiler_directives={"language_level": 3, "boundscheck": True, "wraparound": False},
         quiet=True))
 """)
 
