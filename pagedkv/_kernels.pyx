@@ -46,7 +46,7 @@ cdef inline float load(storage_t x) noexcept nogil:
 
 
 cdef inline void page_scores(const float* q, int nq, const storage_t* k, int nt, int n,
-                        float* out, int ld, pkv_prefetch* pf) noexcept nogil:
+                             float* out, int ld, pkv_prefetch* pf) noexcept nogil:
     if storage_t is float:
         pkv_scores_f32(q, nq, k, nt, n, out, ld, pf)
     else:
@@ -54,7 +54,8 @@ cdef inline void page_scores(const float* q, int nq, const storage_t* k, int nt,
 
 
 cdef inline void page_accumulate4(float* acc, const float* alpha, const float* p, int ld,
-                             const storage_t* x, int nt, int n, pkv_prefetch* pf) noexcept nogil:
+                                  const storage_t* x, int nt, int n,
+                                  pkv_prefetch* pf) noexcept nogil:
     if storage_t is float:
         pkv_accumulate4_f32(acc, alpha, p, ld, x, nt, n, pf)
     else:
