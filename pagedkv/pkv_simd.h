@@ -387,25 +387,31 @@ static inline float pkv_exp_shifted(float *restrict s, int n, float m) {
 static inline void pkv_softmax_page(float *restrict s, int ld, int nq, int nq_padded, int nt,
                                     int first_limit, int group, float *restrict run_max,
                                     float *restrict run_sum, float *restrict alpha) {
-    for (int qi = 0; qi < nq_padded; qi++) {
-        float *row = s + qi * ld;
-        int limit = qi < nq ? first_limit + qi / group : 0;
-        limit = limit < nt ? limit : nt;
-        alpha[qi] = 1.0f;
-        if (limit <= 0) {
-            for (int t = 0; t < nt; t++) row[t] = 0.0f;
-            continue;
+    /* Queries go in chunks of 16, so that the rescale factors of a chunk are
+     * exponentiated in one vector call rather than one call per query. */
+    for (int q0 = 0; q0 < nq_padded; q0 += 16) {
+        const int q1 = q0 + 16 < nq_padded ? q0 + 16 : nq_padded;
+        float page_sum[16];
+        for (int qi = q0; qi < q1; qi++) {
+            float *row = s + qi * ld;
+            int limit = qi < nq ? first_limit + qi / group : 0;
+            limit = limit < nt ? limit : nt;
+            alpha[qi] = 0.0f;                 /* exponent of the rescale: none */
+            page_sum[qi - q0] = 0.0f;
+            if (limit <= 0) {
+                for (int t = 0; t < nt; t++) row[t] = 0.0f;
+                continue;
+            }
+            float m = run_max[qi];
+            #pragma omp simd reduction(max:m)
+            for (int t = 0; t < limit; t++) m = row[t] > m ? row[t] : m;
+            page_sum[qi - q0] = pkv_exp_shifted(row, limit, m);
+            for (int t = limit; t < nt; t++) row[t] = 0.0f;
+            alpha[qi] = run_max[qi] - m;      /* -inf for a query's first key: factor 0 */
+            run_max[qi] = m;
         }
-        float m = run_max[qi];
-        #pragma omp simd reduction(max:m)
-        for (int t = 0; t < limit; t++) m = row[t] > m ? row[t] : m;
-        const float total = pkv_exp_shifted(row, limit, m);
-        for (int t = limit; t < nt; t++) row[t] = 0.0f;
-        float rescale = run_max[qi];          /* exp(old - new): 0 when old is -inf */
-        pkv_exp_shifted(&rescale, 1, m);
-        alpha[qi] = rescale;
-        run_max[qi] = m;
-        run_sum[qi] = run_sum[qi] * rescale + total;
+        pkv_exp_shifted(alpha + q0, q1 - q0, 0.0f);
+        for (int qi = q0; qi < q1; qi++) run_sum[qi] = run_sum[qi] * alpha[qi] + page_sum[qi - q0];
     }
 }
 
