@@ -14,7 +14,8 @@
  * 2-core AMD EPYC it took the benchmark's decode (32 x 2,048 tokens) from
  * 27 ms (copy each page, then compute) to 19 ms; without any prefetch these
  * kernels take 32 ms.  Bursts of prefetches, or prefetching into L1 (T0),
- * which fills the L1 miss buffers, gain nothing.
+ * gained nothing (bursts were 50% slower: prefetches past a full memory
+ * queue seem to be dropped).
  */
 #ifndef PKV_SIMD_H
 #define PKV_SIMD_H
