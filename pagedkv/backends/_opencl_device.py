@@ -22,7 +22,7 @@ INSTALL_HINT = ('pip install "pagedkv[opencl]" (pyopencl plus the PoCL CPU drive
 
 _UNSET = object()
 _unavailable = _UNSET          # cached answer of unavailable_reason()
-_preferred = _UNSET            # cached answer of has_preferred_device()
+_preferred = _UNSET            # cached: is any device a GPU or accelerator?
 _contexts = {}                 # Device -> Context, so that every cache on a device shares programs
 
 
@@ -43,15 +43,16 @@ def has_preferred_device():
     Yes when ``$PAGEDKV_DEVICE`` or ``$PYOPENCL_CTX`` names a device, or when a
     GPU or accelerator exists.  A machine whose only OpenCL device is a CPU
     driver (PoCL) runs the host backend's own kernels faster on the same
-    cores (see the README's figures), so auto takes host there.  Cached for
-    the process, like ``unavailable_reason``.
+    cores (see the README's figures), so auto takes host there.  The device
+    scan is cached for the process, like ``unavailable_reason``.
     """
     global _preferred
+    if os.environ.get("PAGEDKV_DEVICE") or os.environ.get("PYOPENCL_CTX"):
+        return True
     if _preferred is _UNSET:
         import pyopencl as cl
-        named = os.environ.get("PAGEDKV_DEVICE") or os.environ.get("PYOPENCL_CTX")
-        _preferred = bool(named) or any(not device.type & cl.device_type.CPU
-                                        for _, _, device in _all_devices(cl))
+        _preferred = any(not device.type & cl.device_type.CPU
+                         for _, _, device in _all_devices(cl))
     return _preferred
 
 
