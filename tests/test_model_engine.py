@@ -271,7 +271,7 @@ def test_forward_computes_logits_only_for_requested_rows(model):
     both = model.forward(tokens, np.arange(10), attend, np.array([4, 9]))
     last = model.forward(tokens, np.arange(10), attend, np.array([9]))
     assert both.shape == (2, CONFIG.vocab_size) and last.shape == (1, CONFIG.vocab_size)
-    np.testing.assert_allclose(both[1], last[0], rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(both[1], last[0], rtol=1e-5, atol=1e-5)  # float32 matmuls of 2 vs 1 rows
     assert calls == [0, 1, 0, 1]
 
 
