@@ -71,7 +71,7 @@ def ext(name, language="c", libraries=()):
     return Extension(
         f"pagedkv.{name}",
         [f"pagedkv/{name}.pyx"],
-        include_dirs=[np.get_include(), "pagedkv"],
+        include_dirs=[np.get_include(), "pagedkv", "opencl"],   # opencl/pkv_work_item.h
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
         library_dirs=[NPYMATH_DIR] if libraries else [],
         libraries=list(libraries),

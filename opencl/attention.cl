@@ -1,8 +1,10 @@
-/* Paged causal attention over a ragged batch, with split-K.
+/* Paged attention over a ragged batch, with split-K.
  *
- * A work item (one work-group) is (seq, head group, row0, row1, key0, key1, part):
- * query rows row0:row1 of one sequence, for the `group` query heads of one
- * head group, against that sequence's keys at positions key0:key1.  A head
+ * A work item (one work-group; its columns: pkv_work_item.h) is query rows
+ * ROW0:ROW1 of one sequence, for the `group` query heads of one head group,
+ * against that sequence's keys at positions KEY0:KEY1; row ROW0 + i sees the
+ * keys of its band [BAND_LO + i, BAND_HI + i), which is where causality and
+ * sliding windows are planned (pagedkv/backends/schedule.py).  A head
  * group is a KV head's whole GQA group (so the group's heads share every
  * K/V row the work-group reads), or 1/sub_groups of it when the group has
  * more heads than a work-group holds (PKV_NQ).  The work-group walks its key
@@ -40,14 +42,13 @@
  *   PKV_SW      softmax vector width, 1 or 8
  */
 #include "pkv_common.h"
+#include "pkv_work_item.h"
 
 #if PKV_NQ % PKV_QB || PKV_CHUNK % PKV_TB || PKV_DV % PKV_CB || PKV_DV % PKV_SPLIT \
     || PKV_CHUNK % PKV_SW
 #error "tile sizes must divide PKV_NQ, PKV_CHUNK and PKV_HEAD_DIM / PKV_VW"
 #endif
 
-#define ITEM_FIELDS 8
-enum { I_SEQ, I_HEAD, I_ROW0, I_ROW1, I_KEY0, I_KEY1, I_PART };
 
 #define PKV_COL_BLOCKS (PKV_DV / PKV_CB)
 #define PKV_OUT_TILES ((PKV_NQ / PKV_QB) * PKV_COL_BLOCKS)
@@ -132,17 +133,30 @@ inline float8 pkv_hsum8x8(float8 a0, float8 a1, float8 a2, float8 a3,
 #define PKV_FAST_HSUM 0
 #endif
 
+/* What turns an accumulator (max m, sum of weights) into the output, with a
+ * sink logit (-inf: none) in the denominator: f / (sum * f + exp(sink - top)),
+ * f = exp(m - top), top = max(m, sink), so that no exponent is positive.  A
+ * query that saw no key gets 0. */
+inline float pkv_output_scale(const float m, const float sum, const float sink) {
+    const float top = PKV_MAX(m, sink);
+    if (top == -INFINITY) return 0.0f;
+    const float f = pkv_exp(m - top);
+    const float denominator = sum * f + pkv_exp(sink - top);
+    return denominator > 0.0f ? f / denominator : 0.0f;
+}
+
 __kernel __attribute__((reqd_work_group_size(PKV_WG, 1, 1)))
 void paged_attention(__global const float* q,              /* [T, num_heads, D] */
                      __global const pkv_storage* k_pool,   /* [pages, H, page_size, D] */
                      __global const pkv_storage* v_pool,
-                     __global const int* query_start,      /* [B+1] */
-                     __global const int* seq_lens,         /* [B] */
                      __global const int* page_indptr,      /* [B+1] */
                      __global const int* page_indices,     /* [nnz] */
-                     __global const int* items,            /* [W, ITEM_FIELDS] */
+                     __global const int* items,            /* [num_items, PKV_W_FIELDS] */
                      const int group, const int num_groups, const int sub_groups,
                      const int page_size, const int num_pages, const int nnz, const float scale,
+                     const float soft_cap,                 /* c of c * tanh(x / c); 0: none */
+                     __global const float* sinks,          /* [num_heads] */
+                     const int has_sinks,
                      __global float* out,                  /* [T, num_heads, D] */
                      __global float* part_acc,             /* [P, PKV_NQ, D] */
                      __global float* part_max,             /* [P, PKV_NQ] */
@@ -153,7 +167,7 @@ void paged_attention(__global const float* q,              /* [T, num_heads, D] 
     __local ulong key_row[PKV_CHUNK];           /* element offset of each key's K/V row */
     __local int key_ok[PKV_CHUNK];
     __local float run_max[PKV_NQ], run_sum[PKV_NQ], rescale[PKV_NQ];
-    __local int num_visible[PKV_NQ];            /* keys of the chunk a query sees: a prefix */
+    __local int vis_lo[PKV_NQ], vis_hi[PKV_NQ]; /* the chunk's keys a query sees: vis_lo:vis_hi */
 #if PKV_STAGE_K
     __local pkv_vec k_tile[PKV_CHUNK * PKV_DV];
 #endif
@@ -162,16 +176,15 @@ void paged_attention(__global const float* q,              /* [T, num_heads, D] 
 #endif
 
     const int lid = get_local_id(0);
-    __global const int* item = items + (size_t)get_group_id(0) * ITEM_FIELDS;
-    const int b = item[I_SEQ], h = item[I_HEAD], kv_head = h / sub_groups;
-    const int row0 = item[I_ROW0], row1 = item[I_ROW1];
-    const int key0 = item[I_KEY0], key1 = item[I_KEY1], part = item[I_PART];
+    __global const int* item = items + (size_t)get_group_id(0) * PKV_W_FIELDS;
+    const int b = item[PKV_W_SEQ], h = item[PKV_W_KV_HEAD], kv_head = h / sub_groups;
+    const int row0 = item[PKV_W_ROW0], row1 = item[PKV_W_ROW1];
+    const int key0 = item[PKV_W_KEY0], key1 = item[PKV_W_KEY1], part = item[PKV_W_PART];
+    const int band_lo = item[PKV_W_BAND_LO], band_hi = item[PKV_W_BAND_HI];
     const int num_kv_heads = num_groups / sub_groups, num_heads = num_groups * group;
     const int nq = (row1 - row0) * group;       /* query qi: row row0 + qi / group, head h * group + qi % group */
     const int query_blocks = PKV_CEIL(nq, PKV_QB);
     const int out_tiles = query_blocks * PKV_COL_BLOCKS;   /* <= PKV_OUT_TILES */
-    /* row r sits at position first_pos + r: a step's rows are its sequence's newest tokens */
-    const int first_pos = seq_lens[b] - (query_start[b + 1] - query_start[b]) - query_start[b];
     const int pages_begin = page_indptr[b], pages_end = PKV_MIN(page_indptr[b + 1], nnz);
 
     for (int k = 0; k < PKV_CEIL(nq, PKV_WG); ++k) {
@@ -237,20 +250,21 @@ void paged_attention(__global const float* q,              /* [T, num_heads, D] 
         barrier(CLK_LOCAL_MEM_FENCE);
 #endif
 
-        /* 1. scores of tiles of PKV_TB keys x PKV_QB queries; keys past a query's
-              own position (causal) get -inf.  Queries past nq repeat the last one. */
+        /* 1. logits of tiles of PKV_TB keys x PKV_QB queries; keys outside a
+              query's band get -inf.  Queries past nq repeat the last one. */
         for (int k = 0; k < PKV_CEIL(score_tiles, PKV_WG); ++k) {
             const int tile = lid + k * PKV_WG;
             if (tile < score_tiles) {
                 const int qb = tile / key_blocks, t0 = (tile % key_blocks) * PKV_TB;
                 __global const pkv_vec* qv[PKV_QB];
-                int q_pos[PKV_QB];
+                int q_lo[PKV_QB], q_hi[PKV_QB];
                 PKV_UNROLL
                 for (int j = 0; j < PKV_QB; ++j) {
                     const int qi = PKV_MIN(qb * PKV_QB + j, nq - 1), r = row0 + qi / group;
                     qv[j] = (__global const pkv_vec*)(
                         q + ((size_t)r * num_heads + h * group + qi % group) * PKV_D);
-                    q_pos[j] = first_pos + r;
+                    q_lo[j] = band_lo + qi / group;
+                    q_hi[j] = band_hi + qi / group;
                 }
                 pkv_k_row kr[PKV_TB];
                 PKV_UNROLL
@@ -293,9 +307,13 @@ void paged_attention(__global const float* q,              /* [T, num_heads, D] 
                     PKV_UNROLL
                     for (int j = 0; j < PKV_QB; ++j) {
                         const int qi = qb * PKV_QB + j;
-                        if (qi < nq && t < n_keys)
-                            scores[qi * PKV_CHUNK + t] = key_ok[t] && c0 + t <= q_pos[j]
-                                ? sums[i][j] * scale : -INFINITY;
+                        if (qi < nq && t < n_keys) {
+                            const float x = sums[i][j] * scale;
+                            scores[qi * PKV_CHUNK + t] =
+                                key_ok[t] && q_lo[j] <= c0 + t && c0 + t < q_hi[j]
+                                ? (soft_cap > 0.0f ? soft_cap * tanh(x / soft_cap) : x)
+                                : -INFINITY;
+                        }
                     }
                 }
             }
@@ -303,19 +321,24 @@ void paged_attention(__global const float* q,              /* [T, num_heads, D] 
         barrier(CLK_LOCAL_MEM_FENCE);
 
         /* 2. online softmax update, one work-item per query, PKV_SW keys at a time.
-              Keys past the query's visible prefix become weight 0 (step 3 reads
-              whole tiles). */
+              Keys outside the query's band become weight 0 (step 3 reads whole
+              tiles). */
         for (int k = 0; k < PKV_CEIL(nq, PKV_WG); ++k) {
             const int qi = lid + k * PKV_WG;
             if (qi < nq) {
                 __local pkv_svec* s = scores_v + qi * (PKV_CHUNK / PKV_SW);
-                const int seen = first_pos + row0 + qi / group - c0 + 1;
-                const int n_vis = PKV_MAX(0, PKV_MIN(seen, n_keys));
-                const int n_vec = PKV_CEIL(n_rows, PKV_SW);
+                /* the band relative to the chunk, in long: c0 may be near INT_MAX */
+                const long lo = (long)band_lo + qi / group - c0, hi = (long)band_hi + qi / group - c0;
+                const int v_lo = (int)PKV_MAX(lo, 0L), v_hi = (int)PKV_MIN(hi, (long)n_keys);
+                const int n_vec = PKV_CEIL(n_keys, PKV_SW);
+                /* lanes past n_keys hold no logit: zero them, so that no lane the
+                   vector loads below read is uninitialised */
+                for (int t = n_keys; t < n_vec * PKV_SW; ++t) scores[qi * PKV_CHUNK + t] = 0.0f;
                 const float m_old = run_max[qi];
                 pkv_svec m_vec = m_old;
                 for (int v = 0; v < n_vec; ++v) {
-                    const pkv_svec x = (PKV_SLANES + v * PKV_SW) < n_vis ? s[v] : (pkv_svec)(-INFINITY);
+                    const pkv_sivec lane = PKV_SLANES + v * PKV_SW;
+                    const pkv_svec x = ((lane >= v_lo) & (lane < v_hi)) ? s[v] : (pkv_svec)(-INFINITY);
                     m_vec = m_vec > x ? m_vec : x;
                 }
                 const float m_new = pkv_hmax(m_vec);
@@ -323,7 +346,8 @@ void paged_attention(__global const float* q,              /* [T, num_heads, D] 
                 const float shift = m_new == -INFINITY ? 0.0f : m_new;
                 pkv_svec total = 0.0f;
                 for (int v = 0; v < n_vec; ++v) {
-                    const pkv_svec p = (PKV_SLANES + v * PKV_SW) < n_vis
+                    const pkv_sivec lane = PKV_SLANES + v * PKV_SW;
+                    const pkv_svec p = ((lane >= v_lo) & (lane < v_hi))
                         ? pkv_exp_s(s[v] - shift) : (pkv_svec)(0.0f);
                     s[v] = p;
                     total += p;
@@ -332,7 +356,9 @@ void paged_attention(__global const float* q,              /* [T, num_heads, D] 
                 rescale[qi] = alpha;
                 run_max[qi] = m_new;
                 run_sum[qi] = run_sum[qi] * alpha + PKV_SSUM(total);
-                num_visible[qi] = n_vis;
+                /* an empty band widens no tile's key loop in step 3 */
+                vis_lo[qi] = v_lo < v_hi ? v_lo : PKV_CHUNK;
+                vis_hi[qi] = v_lo < v_hi ? v_hi : 0;
             }
         }
         barrier(CLK_LOCAL_MEM_FENCE);
@@ -344,18 +370,19 @@ void paged_attention(__global const float* q,              /* [T, num_heads, D] 
             if (tile < out_tiles) {
                 const int qb = tile / PKV_COL_BLOCKS, v0 = (tile % PKV_COL_BLOCKS) * PKV_CB;
                 __local const float* p[PKV_QB];
-                int t_end = 0;
+                int t_begin = PKV_CHUNK, t_end = 0;
                 pkv_vec a[PKV_QB][PKV_CB];
                 PKV_UNROLL
                 for (int j = 0; j < PKV_QB; ++j) {
                     const int qi = PKV_MIN(qb * PKV_QB + j, nq - 1);
                     p[j] = scores + qi * PKV_CHUNK;
-                    t_end = PKV_MAX(t_end, num_visible[qi]);
+                    t_begin = PKV_MIN(t_begin, vis_lo[qi]);
+                    t_end = PKV_MAX(t_end, vis_hi[qi]);
                     const float alpha = rescale[qi];
                     PKV_UNROLL
                     for (int c = 0; c < PKV_CB; ++c) a[j][c] = acc[k][j][c] * alpha;
                 }
-                for (int t = 0; t < t_end; ++t) {
+                for (int t = t_begin; t < t_end; ++t) {
                     const pkv_v_row vr = PKV_V_ROW(t);
                     pkv_vec vv[PKV_CB];
                     PKV_UNROLL
@@ -386,9 +413,8 @@ void paged_attention(__global const float* q,              /* [T, num_heads, D] 
                 const int qi = qb * PKV_QB + j;
                 if (qi < nq) {
                     const int r = row0 + qi / group, head = h * group + qi % group;
-                    /* a causal query always sees its own key, so run_sum > 0 */
-                    const float total = run_sum[qi];
-                    const float inv = part < 0 && total > 0.0f ? 1.0f / total : 1.0f;
+                    const float inv = part >= 0 ? 1.0f : pkv_output_scale(
+                        run_max[qi], run_sum[qi], has_sinks ? sinks[head] : -INFINITY);
                     __global float* dst = part < 0
                         ? out + ((size_t)r * num_heads + head) * PKV_D
                         : part_acc + ((size_t)part * PKV_NQ + qi) * PKV_D;
@@ -408,8 +434,9 @@ void paged_attention(__global const float* q,              /* [T, num_heads, D] 
         }
 }
 
-/* Combine the parts of each split (row block, head group): segment s owns
- * partial slots seg_parts[s]:seg_parts[s+1]; its first item is seg_items[s]. */
+/* Combine the parts of each split (row block, head group), add the sinks and
+ * normalise: segment s owns partial slots seg_parts[s]:seg_parts[s+1]; its
+ * first item is seg_items[s]. */
 __kernel __attribute__((reqd_work_group_size(PKV_WG, 1, 1)))
 void merge_partials(__global const int* items, __global const int* seg_items,
                     __global const int* seg_parts,
@@ -417,10 +444,12 @@ void merge_partials(__global const int* items, __global const int* seg_items,
                     __global const float* part_max,    /* [P, PKV_NQ] */
                     __global const float* part_sum,
                     const int group, const int num_groups,
+                    __global const float* sinks,       /* [num_heads] */
+                    const int has_sinks,
                     __global float* out) {             /* [T, num_heads, D] */
     const int s = get_group_id(0), lid = get_local_id(0);
-    __global const int* item = items + (size_t)seg_items[s] * ITEM_FIELDS;
-    const int h = item[I_HEAD], row0 = item[I_ROW0], row1 = item[I_ROW1];
+    __global const int* item = items + (size_t)seg_items[s] * PKV_W_FIELDS;
+    const int h = item[PKV_W_KV_HEAD], row0 = item[PKV_W_ROW0], row1 = item[PKV_W_ROW1];
     const int nq = (row1 - row0) * group, num_heads = num_groups * group;
     const int first = seg_parts[s], last = seg_parts[s + 1];
     for (int k = 0; k < PKV_CEIL(nq * PKV_DV, PKV_WG); ++k) {
@@ -438,8 +467,8 @@ void merge_partials(__global const int* items, __global const int* seg_items,
                 acc += PKV_VLOAD_F(((size_t)w * PKV_NQ + qi) * PKV_DV + vec, part_acc) * weight;
             }
             const int r = row0 + qi / group, head = h * group + qi % group;
-            PKV_VSTORE_F(total > 0.0f ? acc / total : (pkv_vec)(0.0f),
-                         ((size_t)r * num_heads + head) * PKV_DV + vec, out);
+            const float inv = pkv_output_scale(m, total, has_sinks ? sinks[head] : -INFINITY);
+            PKV_VSTORE_F(acc * inv, ((size_t)r * num_heads + head) * PKV_DV + vec, out);
         }
     }
 }

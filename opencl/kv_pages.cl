@@ -66,8 +66,8 @@ __kernel void copy_pages(__global pkv_bits* k_pool, __global pkv_bits* v_pool,
     v_pool[(ulong)d * page_elems + e] = v_pool[(ulong)s * page_elems + e];
 }
 
-/* out[i] = float(in[i]) for IEEE half input (a float16 pyopencl array). */
-__kernel void half_to_float(__global const half* in, __global float* out, const long n) {
+/* dst[i] = float(src[i]) for IEEE half input (a float16 pyopencl array). */
+__kernel void half_to_float(__global const half* src, __global float* dst, const long n) {
     const ulong i = get_global_id(0);
-    if (i < (ulong)n) out[i] = vload_half(i, in);
+    if (i < (ulong)n) dst[i] = vload_half(i, src);
 }

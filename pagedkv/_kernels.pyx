@@ -30,8 +30,14 @@ cdef extern from "pkv_simd.h" nogil:
                              const float* x, int nt, int n, pkv_prefetch* pf)
     void pkv_accumulate4_f16(float* acc, const float* alpha, const float* p, int ld,
                              const uint16_t* x, int nt, int n, pkv_prefetch* pf)
-    void pkv_softmax_page(float* s, int ld, int nq, int nq_padded, int nt, int first_limit,
-                          int group, float* run_max, float* run_sum, float* alpha)
+    void pkv_softmax_page(float* s, int ld, int nq, int nq_padded, int nt, int64_t first_lo,
+                          int64_t first_hi, int group, float soft_cap, float* run_max,
+                          float* run_sum, float* alpha)
+
+cdef extern from "pkv_work_item.h" nogil:
+    enum:
+        PKV_W_SEQ, PKV_W_KV_HEAD, PKV_W_ROW0, PKV_W_ROW1, PKV_W_KEY0, PKV_W_KEY1,
+        PKV_W_BAND_LO, PKV_W_BAND_HI, PKV_W_FIELDS
 
 ctypedef fused storage_t:
     float
@@ -106,25 +112,17 @@ def gather(storage_t[:, :, :, ::1] pool, const int64_t[::1] slots, float[:, :, :
 
 # -- paged attention ----------------------------------------------------------------
 #
-# A work item is one (sequence, run of KV heads, block of query rows, key
-# range).  Page by page and head by head it reads each K/V slice once, straight
-# from the pool, for all query rows and all query heads of the KV group (GQA),
-# keeps a running max and sum per query (online softmax), and leaves an
+# A work item (its columns: pkv_work_item.h) is one (sequence, run of KV
+# heads, block of query rows, key range).  Page by page and head by head it
+# reads each K/V slice once, straight from the pool, for all query rows and
+# all query heads of the KV group (GQA), keeps a running max and sum per query
+# (online softmax) over the keys of each row's band, and leaves an
 # unnormalised partial result.  While it computes on one page it prefetches
 # the same head's slices of the next page (see pkv_simd.h), so that reading
 # memory and computing overlap.  Long key ranges are split over several items
 # so that one long sequence still fills every core (split-K, as in
 # FlashDecoding / vLLM v2); `merge_partials` combines the items of a query
-# block by log-sum-exp.
-
-cdef enum:
-    W_SEQ = 0
-    W_KV_HEAD = 1
-    W_ROW0 = 2
-    W_ROW1 = 3
-    W_KEY0 = 4
-    W_KEY1 = 5
-    W_FIELDS = 6
+# block by log-sum-exp, adds the sinks and normalises.
 
 
 cdef inline int padded_queries(int nq) noexcept nogil:
@@ -133,9 +131,8 @@ cdef inline int padded_queries(int nq) noexcept nogil:
 
 cdef void attend_item(const float[:, :, ::1] q,
                       storage_t[:, :, :, ::1] k_pool, storage_t[:, :, :, ::1] v_pool,
-                      const int32_t[::1] query_start, const int32_t[::1] seq_lens,
                       const int32_t[::1] page_indptr, const int32_t[::1] page_indices,
-                      const int32_t* item, int heads_per_item, float scale,
+                      const int32_t* item, int heads_per_item, float scale, float soft_cap,
                       float* acc, float* run_max, float* run_sum, float* scratch) noexcept nogil:
     """One work item over KV heads ``h0 : h0 + heads_per_item``.
 
@@ -145,15 +142,16 @@ cdef void attend_item(const float[:, :, ::1] q,
     the vector primitives then always work on four queries at once.
     ``scratch`` holds heads_per_item*nq4*D + nq4*(page_size + 1) floats.
     """
-    cdef int b = item[W_SEQ], h0 = item[W_KV_HEAD]
-    cdef int row0 = item[W_ROW0], row1 = item[W_ROW1], key0 = item[W_KEY0], key1 = item[W_KEY1]
+    cdef int b = item[PKV_W_SEQ], h0 = item[PKV_W_KV_HEAD]
+    cdef int row0 = item[PKV_W_ROW0], row1 = item[PKV_W_ROW1]
+    cdef int key0 = item[PKV_W_KEY0], key1 = item[PKV_W_KEY1]
+    cdef int64_t band_lo = item[PKV_W_BAND_LO], band_hi = item[PKV_W_BAND_HI]
     cdef int D = q.shape[2], ps = k_pool.shape[2]
     cdef int group = q.shape[1] // k_pool.shape[1]
     cdef int nq = (row1 - row0) * group
     cdef int nq4 = padded_queries(nq)
-    # position of query row r is first_pos + r: rows are the sequence's newest tokens
-    cdef int first_pos = seq_lens[b] - (query_start[b + 1] - query_start[b]) - query_start[b]
     cdef int qi, x, hh, d, j, t0, t1, nt, page, next_page
+    cdef int64_t first_key
     cdef int last_page = (key1 + ps - 1) // ps
     cdef float* queries = scratch                            # [heads, nq4, D], pre-scaled
     cdef float* scores = queries + heads_per_item * nq4 * D  # [nq4, ps]
@@ -182,6 +180,7 @@ cdef void attend_item(const float[:, :, ::1] q,
         t0 = max(key0, j * ps) - j * ps
         t1 = min(key1, (j + 1) * ps) - j * ps
         nt = t1 - t0
+        first_key = <int64_t>j * ps + t0
         next_page = page_indices[page_indptr[b] + j + 1] if j + 1 < last_page else -1
         for hh in range(heads_per_item):
             head_acc = acc + hh * nq4 * D
@@ -195,10 +194,10 @@ cdef void attend_item(const float[:, :, ::1] q,
                 next_values = pkv_prefetch_range(NULL, 0)
             page_scores(queries + hh * nq4 * D, nq4, &k_pool[page, h0 + hh, t0, 0], nt, D,
                         scores, ps, &next_keys)
-            # online softmax: scores become weights, zero past each query's
-            # causal limit, and alphas rescale the accumulators
-            pkv_softmax_page(scores, ps, nq, nq4, nt, first_pos + row0 - j * ps - t0 + 1, group,
-                             head_max, head_sum, alphas)
+            # online softmax: logits become weights, zero outside each row's
+            # band, and alphas rescale the accumulators
+            pkv_softmax_page(scores, ps, nq, nq4, nt, band_lo - first_key, band_hi - first_key,
+                             group, soft_cap, head_max, head_sum, alphas)
             for qi in range(0, nq4, 4):
                 page_accumulate4(head_acc + qi * D, alphas + qi, scores + qi * ps, ps,
                                  &v_pool[page, h0 + hh, t0, 0], nt, D, &next_values)
@@ -209,25 +208,31 @@ cdef void attend_item(const float[:, :, ::1] q,
 
 def paged_attention(const float[:, :, ::1] q,
                     storage_t[:, :, :, ::1] k_pool, storage_t[:, :, :, ::1] v_pool,
-                    const int32_t[::1] query_start, const int32_t[::1] seq_lens,
                     const int32_t[::1] page_indptr, const int32_t[::1] page_indices,
                     const int32_t[:, ::1] items, const int32_t[::1] item_offsets,
-                    int heads_per_item, int max_rows_per_item, float scale,
-                    float[:, :, ::1] out, int num_threads):
-    """Causal paged attention of a ragged batch; see ``pagedkv.backends.host``.
+                    int heads_per_item, int max_rows_per_item, float scale, float soft_cap,
+                    const float[::1] sinks, float[:, :, ::1] out, int num_threads):
+    """Paged attention of a ragged batch over planned work items; see ``pagedkv.backends.host``.
 
     Parameters
     ----------
     q : float32 [T, num_heads, D]
     k_pool, v_pool : [num_pages, num_kv_heads, page_size, D], float32 or float16 bits
-    items : int32 [W, 6]
-        (seq, first kv_head, row0, row1, key0, key1) per work item; an item
-        covers KV heads ``kv_head : kv_head + heads_per_item``.
+    page_indptr : int32 [B + 1]
+    page_indices : int32 [nnz]
+        CSR page table of the step's sequences.
+    items : int32 [num_items, PKV_W_FIELDS]
+        The work items (pkv_work_item.h); an item covers KV heads
+        ``KV_HEAD : KV_HEAD + heads_per_item``.
     item_offsets : int32 [M + 1]
         Query block ``m`` owns items ``item_offsets[m]:item_offsets[m+1]``
         (more than one when its key range is split).
     max_rows_per_item : int
         The most query rows of any item.
+    scale : float
+    soft_cap : float
+        ``c`` of ``c * tanh(x / c)``; 0 for none.
+    sinks : float32 [num_heads] or None
     out : float32 [T, num_heads, D]
     num_threads : int
         OpenMP threads (ignored in a build without OpenMP).
@@ -244,42 +249,51 @@ def paged_attention(const float[:, :, ::1] q,
     scratch_buf = np.empty((num_threads, heads_per_item * nq_max * D + nq_max * (ps + 1)),
                            dtype=np.float32)
     cdef float[:, ::1] scratch = scratch_buf
+    cdef const float* sink_ptr = &sinks[0] if sinks is not None else NULL
     cdef Py_ssize_t w, m
     if W == 0:
         return
     with nogil:
         for w in prange(W, schedule="dynamic", num_threads=num_threads):
-            attend_item(q, k_pool, v_pool, query_start, seq_lens, page_indptr, page_indices,
-                        &items[w, 0], heads_per_item, scale, &acc[w, 0, 0], &run_max[w, 0],
+            attend_item(q, k_pool, v_pool, page_indptr, page_indices, &items[w, 0],
+                        heads_per_item, scale, soft_cap, &acc[w, 0, 0], &run_max[w, 0],
                         &run_sum[w, 0], &scratch[threadid(), 0])
         for m in prange(M, schedule="static", num_threads=num_threads):
             merge_partials(&items[0, 0], item_offsets[m], item_offsets[m + 1], group,
-                           heads_per_item, acc, run_max, run_sum, out)
+                           heads_per_item, sink_ptr, acc, run_max, run_sum, out)
 
 
 cdef void merge_partials(const int32_t* items, int first, int last, int group,
-                         int heads_per_item, float[:, :, ::1] acc, float[:, ::1] run_max,
-                         float[:, ::1] run_sum, float[:, :, ::1] out) noexcept nogil:
-    """Combine items ``first:last`` (one query block, key ranges split) into ``out``."""
-    cdef const int32_t* item = items + first * W_FIELDS
-    cdef int h0 = item[W_KV_HEAD], row0 = item[W_ROW0], row1 = item[W_ROW1]
+                         int heads_per_item, const float* sinks, float[:, :, ::1] acc,
+                         float[:, ::1] run_max, float[:, ::1] run_sum,
+                         float[:, :, ::1] out) noexcept nogil:
+    """Combine items ``first:last`` (one query block, key ranges split) into ``out``.
+
+    With ``sinks`` (float32 [num_heads], else NULL), head ``h``'s denominator
+    gains ``exp(sinks[h])``; everything is rescaled to the larger of the
+    logits' max and the sink, so that no exponent is positive.
+    """
+    cdef const int32_t* item = items + first * PKV_W_FIELDS
+    cdef int h0 = item[PKV_W_KV_HEAD], row0 = item[PKV_W_ROW0], row1 = item[PKV_W_ROW1]
     cdef int D = acc.shape[2], nq = (row1 - row0) * group, nq4 = padded_queries(nq)
-    cdef int x, qi, w, d
-    cdef float m, total, weight
+    cdef int x, qi, w, d, head
+    cdef float m, total, weight, sink
     cdef float* dst
     for x in range(heads_per_item * nq4):
         qi = x % nq4
         if qi >= nq:
             continue        # a padding query
-        m = -INFINITY
+        head = (h0 + x // nq4) * group + qi % group
+        sink = sinks[head] if sinks != NULL else -INFINITY
+        m = sink
         for w in range(first, last):
             m = max(m, run_max[w, x])
-        dst = &out[row0 + qi // group, (h0 + x // nq4) * group + qi % group, 0]
+        dst = &out[row0 + qi // group, head, 0]
         for d in range(D):
             dst[d] = 0.0
-        total = 0.0
         if m == -INFINITY:
             continue        # no key at all (cannot happen for a causal query); output 0
+        total = expf(sink - m) if sinks != NULL else 0.0
         for w in range(first, last):
             weight = expf(run_max[w, x] - m)
             total = total + run_sum[w, x] * weight

@@ -9,13 +9,13 @@ keeps the two in step.  A typical engine step::
         cache.store(layer, batch, k, v)
         out = cache.attention(layer, batch, q)
 """
-import math
 from dataclasses import dataclass
 
 import numpy as np
 
 from pagedkv._allocator import PageAllocator
 from pagedkv._page_table import PageTables
+from pagedkv.attention_spec import AttentionSpec
 from pagedkv._validate import check_int, check_int_vector, check_tensor
 from pagedkv.backends import backend_class, resolve_backend
 from pagedkv.backends.base import StepTables
@@ -129,6 +129,10 @@ class PagedKVCache:
         ``prefix_hash(parent_hash: int, token_ids: tuple) -> int`` replaces the
         default deterministic page hash.  Hits are confirmed by comparing token
         ids, so even a constant function returns no wrong KV.
+    backend_options : dict, optional
+        Settings of the chosen backend.  opencl: ``{"layout": {...}}`` forces
+        attributes of its kernel layout (``KernelLayout``), e.g. the shape a
+        GPU gets, on any device.  host: none.
 
     Notes
     -----
@@ -140,7 +144,7 @@ class PagedKVCache:
 
     def __init__(self, num_layers, num_kv_heads, head_dim, *, num_pages, page_size=16,
                  dtype="float32", max_seq_len=None, backend="auto", device=None,
-                 enable_prefix_caching=False, prefix_hash=None):
+                 enable_prefix_caching=False, prefix_hash=None, backend_options=None):
         self.num_layers = check_int("num_layers", num_layers, minimum=1)
         self.num_kv_heads = check_int("num_kv_heads", num_kv_heads, minimum=1)
         self.head_dim = check_int("head_dim", head_dim, minimum=1)
@@ -157,7 +161,8 @@ class PagedKVCache:
         self.backend = resolve_backend(backend)
         self._backend = backend_class(self.backend)(
             num_layers=self.num_layers, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
-            num_pages=num_pages, page_size=self.page_size, dtype=self.dtype, device=device)
+            num_pages=num_pages, page_size=self.page_size, dtype=self.dtype, device=device,
+            options=backend_options)
         if not isinstance(enable_prefix_caching, bool):
             raise ArgumentTypeError(f"enable_prefix_caching: expected a bool, "
                                     f"got {enable_prefix_caching!r}")
@@ -362,8 +367,15 @@ class PagedKVCache:
         self._backend.store(layer, batch._tables, k, v)
         batch._stored_layers.add(layer)
 
-    def attention(self, layer, batch, q, *, scale=None):
-        """Causal attention of the step's new tokens over their sequences' stored K/V.
+    def attention(self, layer, batch, q, *, scale=None, sliding_window=None,
+                  logits_soft_cap=None, sinks=None):
+        """Attention of the step's new tokens over their sequences' stored K/V.
+
+        For query head ``h`` of the new token at position ``p`` (new token
+        ``i`` of sequence ``b`` sits at ``p = seq_lens[b] - n_b + i``), with
+        logits ``x_j = scale * q . k_j`` over its visible positions ``j``::
+
+            out = sum_j exp(x_j) v_j / (sum_j exp(x_j) + exp(sinks[h]))
 
         Parameters
         ----------
@@ -373,12 +385,30 @@ class PagedKVCache:
         q : ndarray or backend array, shape [total_new, num_heads, head_dim], float
             ``num_heads`` a multiple of ``num_kv_heads`` (GQA/MQA).
         scale : float, default ``1/sqrt(head_dim)``
+        sliding_window : int >= 1, optional
+            ``W``: position ``p`` sees positions ``max(0, p - W + 1) .. p``, its
+            ``W`` most recent ones itself included (Hugging Face's
+            ``sliding_window``; FlashInfer's ``window_left`` is ``W - 1``).
+            Default: every position ``0 .. p`` (causal).
+        logits_soft_cap : float > 0, optional
+            ``c``: each logit becomes ``c * tanh(x / c)`` before the softmax
+            (Gemma 2's ``attn_logit_softcapping``; FlashInfer's ``logits_soft_cap``).
+        sinks : array-like, shape [num_heads], float, optional
+            Learned attention sinks (gpt-oss; FlashInfer's and vLLM's ``sinks``):
+            ``exp(sinks[h])`` joins head ``h``'s denominator, unscaled, and adds
+            nothing to the numerator.
 
         Returns
         -------
         out : shape [total_new, num_heads, head_dim], float32, the same kind of array as ``q``.
-            New token ``i`` of sequence ``b`` (position ``seq_lens[b] - n_b + i``)
-            attends to every position of ``b`` up to its own.
+
+        Raises
+        ------
+        ValueError
+            A bad shape, a layer not stored this step, or a variant argument
+            out of range (``sliding_window < 1``, ``logits_soft_cap <= 0``, a
+            scale or cap not finite in float32, ``sinks`` of another shape or
+            not finite); the message names the argument.  Nothing changes.
         """
         layer = self._check_step(layer, batch)
         check_tensor("q", q, (batch.num_tokens, None, self.head_dim),
@@ -387,15 +417,13 @@ class PagedKVCache:
         if num_heads == 0 or num_heads % self.num_kv_heads:
             raise ValueError(f"q: expected num_heads a positive multiple of num_kv_heads="
                              f"{self.num_kv_heads}, got {num_heads}")
-        if scale is None:
-            scale = 1.0 / math.sqrt(self.head_dim)
-        elif isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating)) \
-                or not math.isfinite(scale) or scale <= 0:
-            raise ValueError(f"scale: expected a positive finite float, got {scale!r}")
+        spec = AttentionSpec.from_arguments(
+            head_dim=self.head_dim, num_heads=num_heads, scale=scale,
+            sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, sinks=sinks)
         if layer not in batch._stored_layers and batch.num_tokens:
             raise ValueError(f"layer: K/V of layer {layer} were not stored for this step; "
                              f"call store({layer}, batch, k, v) first")
-        return self._backend.attention(layer, batch._tables, q, float(scale))
+        return self._backend.attention(layer, batch._tables, q, spec)
 
     # -- prefix cache ------------------------------------------------------------------
     def stats(self):

@@ -344,7 +344,7 @@ PKV_NOINLINE void pkv_accumulate4_f16(float *acc, const float *alpha, const floa
 #undef PKV_CALL
 }
 
-/* s[i] = exp(s[i] - m) for s[i] <= m; returns the sum of the results.
+/* e**x for x <= 0.
  *
  * libm's expf is a scalar call (vectorising it needs -ffast-math, which this
  * build avoids), and it was a quarter of the decode kernel's time.  This is
@@ -352,41 +352,69 @@ PKV_NOINLINE void pkv_accumulate4_f16(float *acc, const float *alpha, const floa
  * r = x - k ln 2 in [-ln2/2, ln2/2] (ln 2 split in two for exactness), and a
  * degree-6 Taylor polynomial for exp(r): relative error below 2e-7.  Inputs
  * below -87 (including -inf) give 0. */
+PKV_INLINE float pkv_exp_nonpositive(float x) {
+    const float xc = x < -87.0f ? -87.0f : x;
+    const float k = __builtin_floorf(xc * 1.44269504f + 0.5f);
+    const float r = (xc - k * 0.693145752f) - k * 1.42860677e-6f;
+    float p = 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    union { float f; int32_t i; } scale;
+    scale.i = ((int32_t)k + 127) << 23;
+    return x < -87.0f ? 0.0f : p * scale.f;
+}
+
+/* s[i] = exp(s[i] - m) for s[i] <= m; returns the sum of the results. */
 static inline float pkv_exp_shifted(float *restrict s, int n, float m) {
     float total = 0.0f;
     #pragma omp simd reduction(+:total)
     for (int i = 0; i < n; i++) {
-        float x = s[i] - m;
-        x = x < -87.0f ? -87.0f : x;
-        const float k = __builtin_floorf(x * 1.44269504f + 0.5f);
-        const float r = (x - k * 0.693145752f) - k * 1.42860677e-6f;
-        float p = 1.0f / 720.0f;
-        p = p * r + 1.0f / 120.0f;
-        p = p * r + 1.0f / 24.0f;
-        p = p * r + 1.0f / 6.0f;
-        p = p * r + 0.5f;
-        p = p * r + 1.0f;
-        p = p * r + 1.0f;
-        union { float f; int32_t i; } scale;
-        scale.i = ((int32_t)k + 127) << 23;
-        const float e = s[i] - m < -87.0f ? 0.0f : p * scale.f;
+        const float e = pkv_exp_nonpositive(s[i] - m);
         s[i] = e;
         total += e;
     }
     return total;
 }
 
+/* tanh(x): below |x| = 0.625 Cephes' odd polynomial (tanhf), above it
+ * (1 - e) / (1 + e) with e = exp(-2|x|), which has no cancellation there;
+ * relative error about 3e-7 either way.  Both are computed and one kept,
+ * so that a loop over it vectorises. */
+PKV_INLINE float pkv_tanh(float x) {
+    const float a = __builtin_fabsf(x), z = x * x;
+    const float small = ((((-5.70498872745e-3f * z + 2.06390887954e-2f) * z
+                           - 5.37397155531e-2f) * z + 1.33314422036e-1f) * z
+                         - 3.33332819422e-1f) * z * x + x;
+    const float e = pkv_exp_nonpositive(-2.0f * a);
+    const float large = __builtin_copysignf((1.0f - e) / (1.0f + e), x);
+    return a < 0.625f ? small : large;
+}
+
+/* Logit soft-capping: s[i] = cap * tanh(s[i] / cap). */
+static inline void pkv_soft_cap(float *restrict s, int n, float cap) {
+    const float inverse = 1.0f / cap;
+    #pragma omp simd
+    for (int i = 0; i < n; i++) s[i] = cap * pkv_tanh(s[i] * inverse);
+}
+
 
 /* One page of online softmax for queries 0 : nq_padded (see attend_item).
  *
- * s[qi * ld + t], t < nt: the page's scores in, the weights out.  Query qi < nq
- * sees keys t < limit(qi) = min(nt, first_limit + qi / group) (causal; its
- * query row is qi / group); padding queries qi >= nq see none.  Weights past
- * the limit are zero, so that queries can share one accumulation.  run_max
- * and run_sum [nq_padded] are the running max and sum; alpha[qi] receives
- * exp(old max - new max), the factor that rescales query qi's accumulator. */
+ * s[qi * ld + t], t < nt: the page's logits in, the weights out.  Query
+ * qi < nq (query row qi / group) sees the keys of its band, t in
+ * [first_lo + qi / group, first_hi + qi / group) within [0, nt); padding
+ * queries qi >= nq see none.  soft_cap > 0 caps the visible logits first.
+ * Weights outside the band are zero, so that queries can share one
+ * accumulation.  run_max and run_sum [nq_padded] are the running max and sum;
+ * alpha[qi] receives exp(old max - new max), the factor that rescales query
+ * qi's accumulator. */
 static inline void pkv_softmax_page(float *restrict s, int ld, int nq, int nq_padded, int nt,
-                                    int first_limit, int group, float *restrict run_max,
+                                    int64_t first_lo, int64_t first_hi, int group,
+                                    float soft_cap, float *restrict run_max,
                                     float *restrict run_sum, float *restrict alpha) {
     /* Queries go in chunks of 16, so that the rescale factors of a chunk are
      * exponentiated in one vector call rather than one call per query. */
@@ -395,19 +423,28 @@ static inline void pkv_softmax_page(float *restrict s, int ld, int nq, int nq_pa
         float page_sum[16];
         for (int qi = q0; qi < q1; qi++) {
             float *row = s + qi * ld;
-            int limit = qi < nq ? first_limit + qi / group : 0;
-            limit = limit < nt ? limit : nt;
+            int64_t lo = 0, hi = 0;
+            if (qi < nq) {
+                lo = first_lo + qi / group;
+                hi = first_hi + qi / group;
+                lo = lo > 0 ? lo : 0;
+                hi = hi < nt ? hi : nt;
+            }
             alpha[qi] = 0.0f;                 /* exponent of the rescale: none */
             page_sum[qi - q0] = 0.0f;
-            if (limit <= 0) {
+            if (hi <= lo) {
                 for (int t = 0; t < nt; t++) row[t] = 0.0f;
                 continue;
             }
+            const int n = (int)(hi - lo);
+            float *band = row + lo;
+            if (soft_cap > 0.0f) pkv_soft_cap(band, n, soft_cap);
             float m = run_max[qi];
             #pragma omp simd reduction(max:m)
-            for (int t = 0; t < limit; t++) m = row[t] > m ? row[t] : m;
-            page_sum[qi - q0] = pkv_exp_shifted(row, limit, m);
-            for (int t = limit; t < nt; t++) row[t] = 0.0f;
+            for (int t = 0; t < n; t++) m = band[t] > m ? band[t] : m;
+            page_sum[qi - q0] = pkv_exp_shifted(band, n, m);
+            for (int t = 0; t < lo; t++) row[t] = 0.0f;
+            for (int t = (int)hi; t < nt; t++) row[t] = 0.0f;
             alpha[qi] = run_max[qi] - m;      /* -inf for a query's first key: factor 0 */
             run_max[qi] = m;
         }

@@ -46,6 +46,7 @@ def fallback_kernels(tmp_path_factory):
     shutil.copy(sources / "_kernels.pyx", build / "fallback_kernels.pyx")
     for header in ("pkv_half.h", "pkv_simd.h"):
         shutil.copy(sources / header, build / header)
+    shutil.copy(files("pagedkv.opencl") / "pkv_work_item.h", build / "pkv_work_item.h")
     (build / "setup.py").write_text(SETUP)
     result = subprocess.run([sys.executable, "setup.py"], cwd=build, capture_output=True,
                             text=True, env={**os.environ, "CFLAGS": ""})

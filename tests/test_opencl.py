@@ -24,7 +24,8 @@ if HAS_OPENCL:
     import pyopencl.array as cl_array
 
     from pagedkv.backends import opencl as opencl_backend
-    from pagedkv.backends._opencl_program import KernelBuildError, build_program, read_source
+    from pagedkv.backends._opencl_program import KernelBuildError, build_program
+    from pagedkv.backends.kernel_source import read_source
 
 
 def opencl_cache(num_kv_heads=2, head_dim=32, *, num_layers=1, num_pages=64, page_size=16,
@@ -120,7 +121,7 @@ def test_kernels_ship_in_the_package():
 
 @needs_opencl
 def test_loader_reads_the_package_resources():
-    from pagedkv.backends._opencl_program import source_dir
+    from pagedkv.backends.kernel_source import source_dir
     assert str(source_dir()) == str(importlib.resources.files("pagedkv.opencl"))
     text = read_source("kv_pages.cl")
     assert '#include "pkv_common.h"' not in text     # the header is expanded in place
@@ -208,12 +209,12 @@ class TestDeviceSelection:
 
 # -- one workload through both backends --------------------------------------------------
 
-def run_workload(backend, dtype):
+def run_workload(backend, dtype, **kwargs):
     """Ragged prefill over page boundaries, decode, a fork with copy-on-write, chunked
     prefill; GQA 4.  Returns every attention output and the final gathered K/V."""
     rng = np.random.default_rng(7)
     cache = pagedkv.PagedKVCache(2, 2, 64, num_pages=96, page_size=16, dtype=dtype,
-                                 backend=backend)
+                                 backend=backend, **kwargs)
     outputs = []
 
     def step(seqs, counts):
@@ -258,10 +259,9 @@ LAYOUTS = {
 
 @needs_opencl
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_other_layouts_give_the_same_results(monkeypatch, layout):
+def test_other_layouts_give_the_same_results(layout):
     host_out, host_kv = run_workload("host", "float16")
-    monkeypatch.setattr(opencl_backend, "LAYOUT_OVERRIDES", LAYOUTS[layout])
-    ocl_out, ocl_kv = run_workload("opencl", "float16")
+    ocl_out, ocl_kv = run_workload("opencl", "float16", backend_options={"layout": LAYOUTS[layout]})
     for expected, got in zip(host_out, ocl_out):
         np.testing.assert_allclose(got, expected, **TOLERANCE["float32"])
     for (hk, hv), (ok, ov) in zip(host_kv, ocl_kv):
@@ -297,7 +297,7 @@ def test_split_k_long_decode_matches_reference():
     cache.store(0, batch, k[4999:], v[4999:])
     q = rng.standard_normal((1, 4, 64), dtype=np.float32)
     out = cache.attention(0, batch, q)
-    plan = batch._tables.cache[("opencl_plan", 4)]
+    plan = batch._tables.plan(None, 4, None)
     assert plan.num_segments == 1 and plan.num_parts > 1      # split, then merged
     np.testing.assert_allclose(out, dense_attention(q, k, v, [4999]), **TOLERANCE["float32"])
 
@@ -316,7 +316,7 @@ def test_split_k_part_that_some_queries_cannot_see():
     cache.store(0, batch, k[986:], v[986:])
     q = rng.standard_normal((64, 1, 32), dtype=np.float32)
     out = cache.attention(0, batch, q)
-    assert batch._tables.cache[("opencl_plan", 1)].num_segments >= 1
+    assert batch._tables.plan(None, 1, None).num_segments >= 1
     expected = dense_attention(q, k, v, np.arange(986, 1050))
     np.testing.assert_allclose(out, expected, **TOLERANCE["float32"])
 
@@ -332,7 +332,7 @@ def test_group_larger_than_a_work_group_holds():
     batch = cache.append([s], [9])
     cache.store(0, batch, k, v)
     out = cache.attention(0, batch, q)
-    assert batch._tables.cache[("opencl_plan", 128)].sub_groups > 1
+    assert batch._tables.plan(None, 128, None).sub_groups > 1
     np.testing.assert_allclose(out, dense_attention(q, k, v, np.arange(9)),
                                **TOLERANCE["float32"])
 

@@ -54,6 +54,10 @@ class KernelLayout:
         coalescing), and float16 is converted once per element.
     """
 
+    #: The attributes ``**overrides`` may force.
+    OVERRIDABLE = ("work_group_size", "vector_width", "column_tile", "query_tile", "key_tile",
+                   "chunk", "max_queries", "stage_k", "stage_v")
+
     def __init__(self, device, head_dim, **overrides):
         import pyopencl as cl
         is_cpu = bool(device.type & cl.device_type.CPU)

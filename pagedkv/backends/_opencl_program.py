@@ -1,59 +1,100 @@
-"""Loading the ``.cl`` sources and building them once per context.
+"""Building the ``.cl`` programs once per context, and calling their kernels by argument name.
 
-The sources ship in the wheel as the package ``pagedkv.opencl`` (the
-top-level ``opencl/`` folder of the source tree); when pagedkv runs from a
-source checkout that was never installed, they are read from ``<repo>/opencl``.
-``#include "x.h"`` lines are expanded here, from the same place, so that a
-program's text is self-contained: no ``-I`` path with spaces to quote, and
-pyopencl's binary cache sees header edits.
+``#include "x.h"`` lines are expanded before the build (see
+:mod:`pagedkv.backends.kernel_source`), so that a program's text is
+self-contained: no ``-I`` path with spaces to quote, and pyopencl's binary
+cache sees header edits.
+
+A kernel's arguments are declared once, in its ``.cl`` signature.
+:class:`KernelCall` reads the names and types from there, sets the scalar
+dtypes, and launches with keyword arguments, so that Python never counts
+argument positions.
 """
-import importlib.resources
 import re
-from pathlib import Path
+import threading
 
-_INCLUDE = re.compile(r'^\s*#\s*include\s+"([\w.]+)"\s*$', re.MULTILINE)
+import numpy as np
+
+from pagedkv.backends.kernel_source import read_source
+
 _programs = {}   # (Context, file name, options, text) -> built pyopencl.Program
+_programs_lock = threading.Lock()
+
+_KERNEL = re.compile(r"__kernel\s+(?:__attribute__\(\(.*?\)\)\s*)?void\s+(\w+)\s*\((.*?)\)\s*\{",
+                     re.DOTALL)
+_SCALARS = {"int": np.int32, "uint": np.uint32, "long": np.int64, "ulong": np.uint64,
+            "float": np.float32}
 
 
 class KernelBuildError(RuntimeError):
     """An OpenCL program failed to build; the message names the file, options and log."""
 
 
-def source_dir():
-    """The directory (a Traversable) holding the ``.cl`` and ``.h`` files."""
-    try:
-        installed = importlib.resources.files("pagedkv.opencl")
-        if installed.joinpath("attention.cl").is_file():
-            return installed
-    except ModuleNotFoundError:  # source tree on sys.path, package never installed
-        pass
-    return Path(__file__).resolve().parents[2] / "opencl"
+def kernel_signatures(text):
+    """``{kernel name: [(argument name, numpy scalar type or None for a buffer)]}``.
 
-
-def read_source(name, directory=None):
-    """The text of ``name`` with its ``#include "..."`` lines expanded (each once).
-
-    ``#line`` directives keep compiler messages pointing at the original files.
+    Parses the ``__kernel void name(...)`` signatures of a program's text;
+    comments in the argument list are ignored.
     """
-    directory = source_dir() if directory is None else directory
-    seen = set()
+    text = re.sub(r"/\*.*?\*/", "", text, flags=re.DOTALL)
+    signatures = {}
+    for name, arg_list in _KERNEL.findall(text):
+        args = []
+        for arg in arg_list.split(","):
+            words = arg.replace("*", " * ").split()
+            pointer = "*" in words
+            base = [w for w in words if w not in ("const", "__global", "__local", "*",
+                                                  "__constant", "restrict")]
+            arg_type, arg_name = base[0], base[-1]
+            if not pointer and arg_type not in _SCALARS:
+                raise ValueError(f"kernel {name}: argument {arg_name} has a scalar type "
+                                 f"{arg_type!r} that KernelCall cannot pass")
+            args.append((arg_name, None if pointer else _SCALARS[arg_type]))
+        signatures[name] = args
+    return signatures
 
-    def expand(file_name):
-        if file_name in seen:
-            return ""
-        seen.add(file_name)
-        text = directory.joinpath(file_name).read_text(encoding="utf-8")
-        out, last = [f'#line 1 "{file_name}"\n'], 0
-        for match in _INCLUDE.finditer(text):
-            out.append(text[last:match.start()])
-            out.append(expand(match.group(1)))
-            line = text.count("\n", 0, match.end()) + 1
-            out.append(f'\n#line {line + 1} "{file_name}"')
-            last = match.end()
-        out.append(text[last:])
-        return "".join(out)
 
-    return expand(name)
+class KernelCall:
+    """One kernel of a built program, launched with keyword arguments.
+
+    ``call(queue, global_size, local_size, wait_for=None, **args)`` takes
+    every argument of the kernel's ``.cl`` signature by name: buffers as
+    ``pyopencl.Buffer`` (or anything with ``.data``), scalars as Python
+    numbers (cast to the signature's type).  Setting the arguments and
+    enqueuing happen under one lock, so threads sharing a kernel cannot mix
+    each other's arguments.
+    """
+
+    def __init__(self, program, name, signature):
+        import pyopencl as cl
+        self._cl = cl
+        self.name = name
+        self.kernel = cl.Kernel(program, name)
+        self.arg_names = [arg for arg, _ in signature]
+        self._scalar_types = [dtype for _, dtype in signature]
+        self._lock = threading.Lock()
+
+    def __call__(self, queue, global_size, local_size, *, wait_for=None, **args):
+        if set(args) != set(self.arg_names):
+            missing = sorted(set(self.arg_names) - set(args))
+            extra = sorted(set(args) - set(self.arg_names))
+            raise TypeError(f"kernel {self.name}: missing arguments {missing}, unknown {extra}")
+        values = []
+        for name, dtype in zip(self.arg_names, self._scalar_types):
+            value = args[name]
+            if dtype is not None:
+                values.append(dtype(value))
+            else:
+                values.append(getattr(value, "data", value))
+        with self._lock:
+            self.kernel.set_args(*values)
+            return self._cl.enqueue_nd_range_kernel(queue, self.kernel, global_size, local_size,
+                                                    wait_for=wait_for or None)
+
+    def work_group_limit(self, device):
+        """The most work-items per work-group this kernel allows on ``device``."""
+        return self.kernel.get_work_group_info(
+            self._cl.kernel_work_group_info.WORK_GROUP_SIZE, device)
 
 
 def build_program(context, name, options, source=None):
@@ -63,12 +104,17 @@ def build_program(context, name, options, source=None):
     ----------
     context : pyopencl.Context
     name : str
-        File name under :func:`source_dir`, e.g. ``"attention.cl"``.
+        File name in the kernel source folder, e.g. ``"attention.cl"``.
     options : tuple of str
         Build options, e.g. ``("-DPKV_HEAD_DIM=128",)``.
     source : str, optional
         The program text, instead of reading ``name`` (the key still includes
         the text, so a different text is a different program).
+
+    Returns
+    -------
+    dict
+        ``{kernel name: KernelCall}`` for every kernel of the program.
 
     Raises
     ------
@@ -79,14 +125,23 @@ def build_program(context, name, options, source=None):
     import pyopencl as cl
     text = read_source(name) if source is None else source
     key = (context, name, tuple(options), text)
-    program = _programs.get(key)
-    if program is None:
-        try:
-            program = cl.Program(context, text).build(options=list(options))
-        except cl.Error as exc:   # pyopencl's RuntimeError carries the build log
-            devices = ", ".join(d.name.strip() for d in context.devices)
-            raise KernelBuildError(
-                f"building opencl/{name} for {devices} with options {' '.join(options)!r} "
-                f"failed:\n{exc}") from None
-        _programs[key] = program
-    return program
+    with _programs_lock:
+        kernels = _programs.get(key)
+        if kernels is None:
+            try:
+                program = cl.Program(context, text).build(options=list(options))
+            except cl.Error as exc:   # pyopencl's RuntimeError carries the build log
+                devices = ", ".join(d.name.strip() for d in context.devices)
+                raise KernelBuildError(
+                    f"building opencl/{name} for {devices} with options {' '.join(options)!r} "
+                    f"failed:\n{exc}") from None
+            kernels = {kernel: KernelCall(program, kernel, signature)
+                       for kernel, signature in kernel_signatures(text).items()}
+            _programs[key] = kernels
+    return kernels
+
+
+def clear_program_cache():
+    """Forget every built program (a later ``build_program`` builds afresh)."""
+    with _programs_lock:
+        _programs.clear()

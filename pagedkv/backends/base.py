@@ -1,4 +1,4 @@
-"""The protocol every backend implements, and the step plan they share.
+"""The protocol every backend implements, and the step tables they share.
 
 ``PagedKVCache`` validates every argument before it calls a backend, so a
 backend may assume well-formed input:
@@ -7,9 +7,11 @@ backend may assume well-formed input:
 * ``k``, ``v``: ``[total_new, num_kv_heads, head_dim]``, ``q``:
   ``[total_new, num_heads, head_dim]`` with ``num_heads % num_kv_heads == 0``,
   each a float numpy array or an array native to the backend;
+* ``spec``: a validated :class:`pagedkv.attention_spec.AttentionSpec`;
 * page ids, slots and tables: produced by :class:`pagedkv._page_table.PageTables`.
 """
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -25,26 +27,42 @@ class StepTables:
     slot_mapping : ndarray, shape [total_new], int64
     page_indptr : ndarray, shape [B+1], int32
     page_indices : ndarray, shape [nnz], int32
-    cache : dict
-        Per-backend memo (uploaded buffers, work lists), filled lazily and
-        reused by every layer of the step.
+    device : object
+        What the backend's ``prepare_step`` made of the tables (e.g. their
+        device copies), shared by every layer of the step.
     """
     query_start: np.ndarray
     seq_lens: np.ndarray
     slot_mapping: np.ndarray
     page_indptr: np.ndarray
     page_indices: np.ndarray
-    cache: dict = field(default_factory=dict)
+    device: Any = None
+    _plans: dict = field(default_factory=dict, repr=False)
 
     @property
     def num_tokens(self):
         return len(self.slot_mapping)
+
+    def plan(self, make_plan, num_heads, sliding_window):
+        """The attention plan of this step for a query-head count and window.
+
+        ``make_plan(self, num_heads, sliding_window)`` runs once per distinct
+        pair; every layer of the step then reuses its plan (work list,
+        uploads, thread count).
+        """
+        key = (num_heads, sliding_window)
+        if key not in self._plans:
+            self._plans[key] = make_plan(self, num_heads, sliding_window)
+        return self._plans[key]
 
 
 class Backend:
     """What a backend provides.  Subclasses implement every method below."""
 
     name = None
+
+    #: Array types besides numpy that ``store`` and ``attention`` accept.
+    array_types = ()
 
     @classmethod
     def unavailable_reason(cls):
@@ -57,7 +75,7 @@ class Backend:
         return True
 
     def __init__(self, *, num_layers, num_kv_heads, head_dim, num_pages, page_size,
-                 dtype, device=None):
+                 dtype, device=None, options=None):
         raise NotImplementedError
 
     @property
@@ -65,11 +83,8 @@ class Backend:
         """Bytes of K/V page storage (all layers, K and V)."""
         raise NotImplementedError
 
-    #: Array types besides numpy that ``store`` and ``attention`` accept.
-    array_types = ()
-
     def prepare_step(self, tables):
-        """Called once per ``append`` with its :class:`StepTables` (e.g. to upload them)."""
+        """Called once per ``append`` with its :class:`StepTables`; may set ``tables.device``."""
         raise NotImplementedError
 
     def copy_pages(self, src, dst):
@@ -80,9 +95,9 @@ class Backend:
         """Write ``k``, ``v`` [total_new, num_kv_heads, head_dim] at the step's slots (-1 skips)."""
         raise NotImplementedError
 
-    def attention(self, layer, tables, q, scale):
-        """Causal paged attention; ``q`` [total_new, num_heads, head_dim] -> float32, same shape
-        and same kind (numpy or native) as ``q``."""
+    def attention(self, layer, tables, q, spec):
+        """Paged attention of the variant ``spec``; ``q`` [total_new, num_heads, head_dim]
+        -> float32, same shape and same kind (numpy or native) as ``q``."""
         raise NotImplementedError
 
     def gather(self, layer, slots):

@@ -1,11 +1,12 @@
 """The host backend: numpy page pools and the Cython kernels of ``pagedkv._kernels``."""
 import os
+from dataclasses import dataclass
 
 import numpy as np
 
 from pagedkv import _kernels
 from pagedkv.backends.base import Backend
-from pagedkv.backends.schedule import plan_attention
+from pagedkv.backends.schedule import ITEM, plan_attention
 
 # Query rows x query heads of one item: 64 query vectors of head_dim floats
 # keep the accumulator in L1/L2 while a K/V page streams past.
@@ -18,6 +19,16 @@ _MIN_PART_TOKENS = 256
 # Below this many float multiply-adds a call runs on one thread: waking the
 # OpenMP team costs more than it saves, and a busy machine can stall it.
 _PARALLEL_MIN_WORK = 1 << 18
+
+
+@dataclass(frozen=True)
+class _HostPlan:
+    """One step's work list for one query-head count and window (see ``StepTables.plan``)."""
+    items: np.ndarray           # [num_items, ITEM.FIELDS] int32
+    item_offsets: np.ndarray    # [num_blocks + 1] int32
+    heads_per_item: int
+    max_rows: int               # most query rows of any item
+    num_threads: int
 
 
 def _max_threads():
@@ -43,9 +54,11 @@ class HostBackend(Backend):
         return None
 
     def __init__(self, *, num_layers, num_kv_heads, head_dim, num_pages, page_size,
-                 dtype, device=None):
+                 dtype, device=None, options=None):
         if device is not None:
             raise ValueError(f"device: the host backend takes no device, got {device!r}")
+        if options:
+            raise ValueError(f"backend_options: the host backend takes none, got {options!r}")
         shape = (num_layers, num_pages, num_kv_heads, page_size, head_dim)
         self.dtype = np.dtype(dtype)
         # float16 pools are handed to the kernels as their uint16 bits
@@ -79,21 +92,18 @@ class HostBackend(Backend):
         _kernels.scatter(self._kernel_view(self._k[layer]), self._kernel_view(self._v[layer]),
                          tables.slot_mapping, k, v, _threads_for(k.size, self.num_threads))
 
-    def attention(self, layer, tables, q, scale):
+    def attention(self, layer, tables, q, spec):
         q = self._host_f32(q)
-        group = q.shape[1] // self.num_kv_heads
-        key = ("host_plan", group)
-        if key not in tables.cache:
-            tables.cache[key] = self._plan(tables, group)
-        items, item_offsets, heads_per_item, max_rows, threads = tables.cache[key]
+        plan = tables.plan(self._plan, q.shape[1], spec.sliding_window)
         out = np.empty_like(q)
         _kernels.paged_attention(
             q, self._kernel_view(self._k[layer]), self._kernel_view(self._v[layer]),
-            tables.query_start, tables.seq_lens, tables.page_indptr, tables.page_indices,
-            items, item_offsets, heads_per_item, max_rows, float(scale), out, threads)
+            tables.page_indptr, tables.page_indices, plan.items, plan.item_offsets,
+            plan.heads_per_item, plan.max_rows, spec.scale, spec.logits_soft_cap or 0.0,
+            spec.sinks, out, plan.num_threads)
         return out
 
-    def _plan(self, tables, group):
+    def _plan(self, tables, num_heads, sliding_window):
         """Work items for one step, reused by every layer.
 
         An item covers as many KV heads as the query budget allows while the
@@ -101,6 +111,7 @@ class HostBackend(Backend):
         whole pages (all heads contiguous) instead of one head's slice at a
         stride, which is what decode speed depends on.
         """
+        group = num_heads // self.num_kv_heads
         rows_per_block = max(1, _QUERIES_PER_ITEM // group)
         num_rows = np.diff(tables.query_start)
         num_blocks = int((-(-num_rows // rows_per_block)).sum())
@@ -116,12 +127,12 @@ class HostBackend(Backend):
             tables.query_start, tables.seq_lens, num_kv_heads=self.num_kv_heads,
             page_size=self.page_size, rows_per_block=rows_per_block,
             target_items=4 * self.num_threads, min_part_tokens=_MIN_PART_TOKENS,
-            heads_per_item=heads_per_item)
-        rows = items[:, 3] - items[:, 2]
-        keys = items[:, 5] - items[:, 4]
+            heads_per_item=heads_per_item, sliding_window=sliding_window)
+        rows = items[:, ITEM.ROW1] - items[:, ITEM.ROW0]
+        keys = items[:, ITEM.KEY1] - items[:, ITEM.KEY0]
         work = int((rows * keys).sum()) * heads_per_item * group * self._k.shape[-1]
-        return (items, item_offsets, heads_per_item, int(rows.max(initial=0)),
-                _threads_for(work, self.num_threads))
+        return _HostPlan(items, item_offsets, heads_per_item, int(rows.max(initial=0)),
+                         _threads_for(work, self.num_threads))
 
     def gather(self, layer, slots):
         shape = (len(slots), self._k.shape[2], self._k.shape[4])

@@ -21,7 +21,7 @@ from pagedkv.backends._opencl_device import (has_preferred_device, select_device
 from pagedkv.backends._opencl_layout import KernelLayout, _floor_pow2
 from pagedkv.backends._opencl_program import build_program
 from pagedkv.backends.base import Backend
-from pagedkv.backends.schedule import plan_attention
+from pagedkv.backends.schedule import ITEM, plan_attention
 from pagedkv.errors import ArgumentTypeError, BackendUnavailableError
 
 try:  # for array_types only; the rest imports pyopencl when a backend is made
@@ -29,8 +29,6 @@ try:  # for array_types only; the rest imports pyopencl when a backend is made
 except Exception:  # pyopencl missing or broken: unavailable_reason() says how to fix it
     _cl_array = None
 
-ITEM_FIELDS = 8          # opencl/attention.cl: seq, group, row0, row1, key0, key1, part, unused
-_ITEM_PART = 6
 # Split-K parts never shorter than this many keys: below it the merge costs
 # more than the parallelism gains.
 _MIN_PART_TOKENS = 256
@@ -38,30 +36,27 @@ _MIN_PART_TOKENS = 256
 _ITEMS_PER_COMPUTE_UNIT = 8
 # Work-group size of the data-movement kernels (scatter, gather, copies).
 _COPY_WORK_GROUP = 64
-# KernelLayout attributes to force in every new backend (tests run the GPU
-# layout on a CPU device with it).
-LAYOUT_OVERRIDES = {}
 
 
 class _Plan:
-    """One step's attention work list for one query-head count, on the device.
+    """One step's attention work list for one query-head count and window, on the device.
 
-    Cached in ``tables.cache``, so every layer of the step reuses it.  A GQA
+    Made by ``StepTables.plan``, so every layer of the step reuses it.  A GQA
     group of more heads than a work-group holds (``layout.max_queries``) is
     cut into ``sub_groups`` head groups of ``group`` heads, each planned as if
     it were a KV head of its own.
 
     Attributes
     ----------
-    items : pyopencl Array, shape [num_items, ITEM_FIELDS], int32
-        One work-group each: seq, head group, row0, row1, key0, key1, partial
-        slot (-1: writes the output itself).
+    items : pyopencl Array, shape [num_items, ITEM.FIELDS], int32
+        One work-group each (``opencl/pkv_work_item.h``); ``KV_HEAD`` is the
+        head group.
     seg_items, seg_parts : pyopencl Array, shape [num_segments] / [num_segments + 1], int32
         For ``merge_partials``: first item of each split (row block, head
         group) and its range of partial slots.
     """
 
-    def __init__(self, backend, tables, num_heads):
+    def __init__(self, backend, tables, num_heads, sliding_window):
         layout = backend.layout
         full_group = num_heads // backend.num_kv_heads
         self.group = max(g for g in range(1, min(full_group, layout.max_queries) + 1)
@@ -72,18 +67,13 @@ class _Plan:
             tables.query_start, tables.seq_lens, num_kv_heads=self.num_groups,
             page_size=backend.page_size, rows_per_block=max(1, layout.max_queries // self.group),
             target_items=_ITEMS_PER_COMPUTE_UNIT * backend.device.max_compute_units,
-            min_part_tokens=_MIN_PART_TOKENS)
+            min_part_tokens=_MIN_PART_TOKENS, sliding_window=sliding_window)
         counts = np.diff(item_offsets)
         split = counts > 1
-        in_split = np.repeat(split, counts)
-        table = np.zeros((len(items), ITEM_FIELDS), dtype=np.int32)
-        table[:, :items.shape[1]] = items
-        table[:, _ITEM_PART] = -1
-        table[in_split, _ITEM_PART] = np.arange(int(in_split.sum()), dtype=np.int32)
         self.num_items = len(items)
-        self.num_parts = int(in_split.sum())
+        self.num_parts = int((items[:, ITEM.PART] >= 0).sum())
         self.num_segments = int(split.sum())
-        self.items = backend._upload(table) if self.num_items else None
+        self.items = backend._upload(items) if self.num_items else None
         if self.num_segments:
             self.seg_items = backend._upload(item_offsets[:-1][split].astype(np.int32))
             self.seg_parts = backend._upload(
@@ -115,7 +105,8 @@ class OpenCLBackend(Backend):
         return has_preferred_device()
 
     def __init__(self, *, num_layers, num_kv_heads, head_dim, num_pages, page_size,
-                 dtype, device=None):
+                 dtype, device=None, options=None):
+        layout_overrides = self._check_options(options)
         reason = unavailable_reason()
         if reason is not None:
             raise BackendUnavailableError(reason)
@@ -144,8 +135,8 @@ class OpenCLBackend(Backend):
         # temporaries (uploads, outputs, partials) come from a pool: reused
         # buffers are safe because every command goes through this in-order queue
         self._pool = cl.tools.MemoryPool(cl.tools.ImmediateAllocator(self.queue))
-        self._layout_overrides = dict(LAYOUT_OVERRIDES)
-        self._build_kernels()
+        self._build_kernels(layout_overrides)
+        self._no_sinks = self._upload(np.zeros(1, np.float32))   # a buffer cannot be empty
         self._last_events = None
         try:
             self._k, self._v = [], []
@@ -160,41 +151,42 @@ class OpenCLBackend(Backend):
             raise MemoryError(f"num_pages: cannot allocate {self.memory_bytes} bytes of K/V "
                               f"on {device_name}: {exc}") from None
 
-    def _build_kernels(self):
-        """Build (or fetch from the cache) both programs; keep one Kernel object per kernel."""
-        cl = self._cl
-        overrides = self._layout_overrides
+    @staticmethod
+    def _check_options(options):
+        """The ``layout`` overrides of ``backend_options`` (see ``PagedKVCache``)."""
+        if options is None:
+            return {}
+        if not isinstance(options, dict) or set(options) - {"layout"}:
+            raise ValueError(f"backend_options: the opencl backend takes {{'layout': {{...}}}}, "
+                             f"got {options!r}")
+        layout = options.get("layout", {})
+        unknown = set(layout) - set(KernelLayout.OVERRIDABLE) if isinstance(layout, dict) \
+            else {layout}
+        if unknown:
+            raise ValueError(f"backend_options: layout: expected a dict with keys among "
+                             f"{sorted(KernelLayout.OVERRIDABLE)}, got {layout!r}")
+        return dict(layout)
+
+    def _build_kernels(self, overrides):
+        """Build (or fetch from the cache) both programs and keep their kernels."""
         while True:
             self.layout = KernelLayout(self.device, self.head_dim, **overrides)
             attention = build_program(self.context, "attention.cl", self.layout.options(self.dtype))
-            self._k_attention = cl.Kernel(attention, "paged_attention")
-            self._k_merge = cl.Kernel(attention, "merge_partials")
+            self._k_attention = attention["paged_attention"]
+            self._k_merge = attention["merge_partials"]
             # a register-hungry kernel may allow fewer work-items than the device does
-            fits = min(self._work_group_limit(k) for k in (self._k_attention, self._k_merge))
+            fits = min(k.work_group_limit(self.device) for k in (self._k_attention, self._k_merge))
             if fits >= self.layout.work_group_size:
                 break
             overrides = dict(overrides, work_group_size=_floor_pow2(fits))
         pages = build_program(self.context, "kv_pages.cl", self.layout.storage_options(self.dtype))
-        self._k_scatter = cl.Kernel(pages, "scatter_kv")
-        self._k_gather = cl.Kernel(pages, "gather_kv")
-        self._k_copy = cl.Kernel(pages, "copy_pages")
-        self._k_half = cl.Kernel(pages, "half_to_float")
+        self._k_scatter = pages["scatter_kv"]
+        self._k_gather = pages["gather_kv"]
+        self._k_copy = pages["copy_pages"]
+        self._k_half = pages["half_to_float"]
         self._copy_wg = _floor_pow2(min(
             _COPY_WORK_GROUP, self.device.max_work_item_sizes[0],
-            *(self._work_group_limit(k) for k in (self._k_scatter, self._k_gather,
-                                                  self._k_copy, self._k_half))))
-        # typed scalar arguments: pyopencl then sets them without guessing
-        i32, i64, f32 = np.int32, np.int64, np.float32
-        self._k_attention.set_scalar_arg_dtypes([None] * 8 + [i32] * 6 + [f32] + [None] * 4)
-        self._k_merge.set_scalar_arg_dtypes([None] * 6 + [i32, i32, None])
-        self._k_scatter.set_scalar_arg_dtypes([None] * 5 + [i32, i32, i32, i64])
-        self._k_gather.set_scalar_arg_dtypes([None] * 5 + [i32, i32, i32, i64])
-        self._k_copy.set_scalar_arg_dtypes([None] * 4 + [i32, i64, i32])
-        self._k_half.set_scalar_arg_dtypes([None, None, i64])
-
-    def _work_group_limit(self, kernel):
-        return kernel.get_work_group_info(self._cl.kernel_work_group_info.WORK_GROUP_SIZE,
-                                          self.device)
+            *(k.work_group_limit(self.device) for k in pages.values())))
 
     # -- helpers --------------------------------------------------------------------
     @property
@@ -218,11 +210,11 @@ class OpenCLBackend(Backend):
     def _empty(self, shape):
         return _cl_array.empty(self.queue, shape, np.float32, allocator=self._pool)
 
-    def _launch(self, kernel, num_work_items, *args, wait_for=None):
+    def _launch(self, kernel, num_work_items, *, wait_for=None, **args):
         """Run a data-movement kernel over >= ``num_work_items`` (it bounds-checks its id)."""
         wg = self._copy_wg
-        return kernel(self.queue, (-(-num_work_items // wg) * wg,), (wg,), *args,
-                      wait_for=wait_for or None)
+        return kernel(self.queue, (-(-num_work_items // wg) * wg,), (wg,), wait_for=wait_for,
+                      **args)
 
     @property
     def _vectors_per_row(self):
@@ -261,7 +253,7 @@ class OpenCLBackend(Backend):
         if x.dtype == np.float16:   # kv_pages.cl's half_to_float needs no cl_khr_fp16
             out = self._empty(x.shape)
             if x.size:
-                self._launch(self._k_half, x.size, x.data, out.data, x.size, wait_for=x.events)
+                self._launch(self._k_half, x.size, wait_for=x.events, src=x, dst=out, n=x.size)
             return out, []
         if x.dtype == np.float64:
             if "cl_khr_fp64" not in self.device.extensions:
@@ -273,20 +265,19 @@ class OpenCLBackend(Backend):
 
     # -- protocol -------------------------------------------------------------------
     def prepare_step(self, tables):
-        """Upload the step's tables once (into ``tables.cache``); every layer reuses them."""
-        tables.cache["opencl"] = {
+        """Upload the step's tables once (``tables.device``); every layer reuses them."""
+        tables.device = {
             name: self._upload(getattr(tables, name)) if len(getattr(tables, name)) else None
-            for name in ("query_start", "seq_lens", "slot_mapping", "page_indptr",
-                         "page_indices")}
+            for name in ("slot_mapping", "page_indptr", "page_indices")}
 
     def copy_pages(self, src, dst):
         if not len(src):
             return
         src_d, dst_d = self._upload(src.astype(np.int32)), self._upload(dst.astype(np.int32))
         for layer in range(self.num_layers):
-            self._launch(self._k_copy, len(src) * self._page_elems, self._k[layer],
-                         self._v[layer], src_d.data, dst_d.data, len(src), self._page_elems,
-                         self.num_pages)
+            self._launch(self._k_copy, len(src) * self._page_elems, k_pool=self._k[layer],
+                         v_pool=self._v[layer], src=src_d, dst=dst_d, num_copies=len(src),
+                         page_elems=self._page_elems, num_pages=self.num_pages)
 
     def store(self, layer, tables, k, v):
         num_tokens = tables.num_tokens
@@ -296,45 +287,48 @@ class OpenCLBackend(Backend):
         vd, v_wait = self._device_f32(v, "v")
         event = self._launch(
             self._k_scatter, num_tokens * self.num_kv_heads * self._vectors_per_row,
-            kd.data, vd.data, tables.cache["opencl"]["slot_mapping"].data,
-            self._k[layer], self._v[layer], num_tokens, self.num_kv_heads, self.page_size,
-            self.num_pages * self.page_size, wait_for=k_wait + v_wait)
+            wait_for=k_wait + v_wait, k=kd, v=vd, slot_mapping=tables.device["slot_mapping"],
+            k_pool=self._k[layer], v_pool=self._v[layer], num_tokens=num_tokens,
+            num_kv_heads=self.num_kv_heads, page_size=self.page_size,
+            num_slots=self.num_pages * self.page_size)
         for x in (k, v):
             if self.is_native(x):
                 x.add_event(event)   # the caller's later writes to x wait for this read
 
-    def attention(self, layer, tables, q, scale):
-        num_tokens, num_heads = q.shape[0], q.shape[1]
+    def _plan(self, tables, num_heads, sliding_window):
+        return _Plan(self, tables, num_heads, sliding_window)
+
+    def attention(self, layer, tables, q, spec):
         native = self.is_native(q)
-        key = ("opencl_plan", num_heads)
-        if key not in tables.cache:
-            tables.cache[key] = _Plan(self, tables, num_heads)
-        plan = tables.cache[key]
+        plan = tables.plan(self._plan, q.shape[1], spec.sliding_window)
         if plan.num_items == 0:   # no new tokens: nothing to launch (and no empty buffers)
             self._last_events = []
             out = np.zeros(q.shape, dtype=np.float32)
             return _cl_array.to_device(self.queue, out, allocator=self._pool) if native else out
         qd, q_wait = self._device_f32(q, "q")
-        t = tables.cache["opencl"]
+        t = tables.device
         out = self._empty(q.shape)
         parts = max(plan.num_parts, 1)   # an OpenCL buffer cannot be empty
         nq = self.layout.max_queries
         part_acc = self._empty((parts, nq, self.head_dim))
         part_max, part_sum = self._empty((parts, nq)), self._empty((parts, nq))
+        sinks = self._no_sinks if spec.sinks is None else self._upload(spec.sinks)
+        variant = dict(sinks=sinks, has_sinks=spec.sinks is not None)
         wg = self.layout.work_group_size
         events = [self._k_attention(
-            self.queue, (plan.num_items * wg,), (wg,),
-            qd.data, self._k[layer], self._v[layer], t["query_start"].data, t["seq_lens"].data,
-            t["page_indptr"].data, t["page_indices"].data, plan.items.data,
-            plan.group, plan.num_groups, plan.sub_groups, self.page_size, self.num_pages,
-            len(tables.page_indices), scale,
-            out.data, part_acc.data, part_max.data, part_sum.data, wait_for=q_wait or None)]
+            self.queue, (plan.num_items * wg,), (wg,), wait_for=q_wait,
+            q=qd, k_pool=self._k[layer], v_pool=self._v[layer], page_indptr=t["page_indptr"],
+            page_indices=t["page_indices"], items=plan.items, group=plan.group,
+            num_groups=plan.num_groups, sub_groups=plan.sub_groups, page_size=self.page_size,
+            num_pages=self.num_pages, nnz=len(tables.page_indices), scale=spec.scale,
+            soft_cap=spec.logits_soft_cap or 0.0, out=out, part_acc=part_acc,
+            part_max=part_max, part_sum=part_sum, **variant)]
         if plan.num_segments:
             events.append(self._k_merge(
                 self.queue, (plan.num_segments * wg,), (wg,),
-                plan.items.data, plan.seg_items.data, plan.seg_parts.data,
-                part_acc.data, part_max.data, part_sum.data, plan.group, plan.num_groups,
-                out.data))
+                items=plan.items, seg_items=plan.seg_items, seg_parts=plan.seg_parts,
+                part_acc=part_acc, part_max=part_max, part_sum=part_sum, group=plan.group,
+                num_groups=plan.num_groups, out=out, **variant))
         self._last_events = events
         out.add_event(events[-1])
         if native:
@@ -364,8 +358,9 @@ class OpenCLBackend(Backend):
         slots_d = self._upload(slots.astype(np.int64))
         kd, vd = self._empty(k.shape), self._empty(v.shape)
         self._launch(self._k_gather, n * self.num_kv_heads * self._vectors_per_row,
-                     self._k[layer], self._v[layer], slots_d.data, kd.data, vd.data, n,
-                     self.num_kv_heads, self.page_size, self.num_pages * self.page_size)
+                     k_pool=self._k[layer], v_pool=self._v[layer], slots=slots_d, k_out=kd,
+                     v_out=vd, num_slots_wanted=n, num_kv_heads=self.num_kv_heads,
+                     page_size=self.page_size, num_slots=self.num_pages * self.page_size)
         kd.get(ary=k)
         vd.get(ary=v)
         return k, v

@@ -1,21 +1,32 @@
 """Work lists for paged attention, shared by the backends.
 
-A work item is ``(seq, kv_head, row0, row1, key0, key1)``: query rows
-``row0:row1`` (absolute rows of ``q``, all of one sequence) against that
-sequence's keys at positions ``key0:key1``, for every query head of KV head
-``kv_head``.  Rows are cut into blocks of ``rows_per_block``; when the batch
-has too few blocks to fill the device (decode of a few long sequences), each
-block's key range is split into page-aligned parts (split-K), and a merge
-combines the parts.  Items of one (block, kv head) are contiguous, and
-``item_offsets`` marks them.
+A work item (its columns are defined once, in ``opencl/pkv_work_item.h``;
+``ITEM`` below names them) is query rows ``ROW0:ROW1`` of one sequence, for the
+query heads of one KV head (or head group), against that sequence's keys at
+positions ``KEY0:KEY1``; row ``ROW0 + i`` sees the keys in
+``[BAND_LO + i, BAND_HI + i)``.  The band is where the attention variant
+lives: causal attention is ``[-inf, p + 1)`` for the row at position ``p``,
+a sliding window of ``W`` keys ``[p - W + 1, p + 1)``.  The kernels apply the
+band and know no other mask.
+
+Rows are cut into blocks of ``rows_per_block``.  A block's keys are the
+union of its rows' bands, so a window never reads pages older than its
+oldest row can see.  When the batch has too few blocks to fill the device
+(decode of a few long sequences), a block's key range is split into
+page-aligned parts (split-K), and a merge combines the parts: such items
+carry their partial-result slot in ``PART`` (else -1).  Items of one (block,
+kv head) are contiguous, and ``item_offsets`` marks them.
 """
 import numpy as np
 
-ITEM_FIELDS = 6
+from pagedkv.backends.kernel_source import work_item_fields
+
+#: The work-item columns, e.g. ``ITEM.KEY0``; ``ITEM.FIELDS`` is their count.
+ITEM = work_item_fields()
 
 
 def plan_attention(query_start, seq_lens, *, num_kv_heads, page_size, rows_per_block,
-                   target_items, min_part_tokens, heads_per_item=1):
+                   target_items, min_part_tokens, heads_per_item=1, sliding_window=None):
     """Plan the work items of one step.
 
     Parameters
@@ -30,13 +41,16 @@ def plan_attention(query_start, seq_lens, *, num_kv_heads, page_size, rows_per_b
         Never split a key range into parts shorter than this.
     heads_per_item : int, default 1
         KV heads per item (a divisor of ``num_kv_heads``): an item's
-        ``kv_head`` field is then the first of ``heads_per_item`` heads.
+        ``KV_HEAD`` is then the first of ``heads_per_item`` heads.
+    sliding_window : int, optional
+        The row at position ``p`` sees positions ``max(0, p - W + 1) .. p``;
+        default: all of ``0 .. p`` (causal).
 
     Returns
     -------
-    items : ndarray, shape [W, 6], int32
-    item_offsets : ndarray, shape [M+1], int32
-        Items ``item_offsets[m]:item_offsets[m+1]`` belong to query block ``m``.
+    items : ndarray, shape [num_items, ITEM.FIELDS], int32
+    item_offsets : ndarray, shape [num_blocks * num_kv_heads / heads_per_item + 1], int32
+        Items ``item_offsets[m]:item_offsets[m+1]`` belong to (query block, head) ``m``.
     """
     query_start = np.asarray(query_start, dtype=np.int64)
     seq_lens = np.asarray(seq_lens, dtype=np.int64)
@@ -46,18 +60,29 @@ def plan_attention(query_start, seq_lens, *, num_kv_heads, page_size, rows_per_b
     first_block = np.repeat(np.cumsum(blocks_per_seq) - blocks_per_seq, blocks_per_seq)
     row0 = query_start[seq] + (np.arange(len(seq)) - first_block) * rows_per_block
     row1 = np.minimum(row0 + rows_per_block, query_start[seq + 1])
-    # keys up to and including the position of the block's last row
-    key_end = seq_lens[seq] - (query_start[seq + 1] - row1)
+    rows = row1 - row0
+    # positions: a step's rows are its sequence's newest tokens
+    first_pos = seq_lens[seq] - (query_start[seq + 1] - row0)
+    key_end = first_pos + rows                   # one past the last row's position
+    band_hi = first_pos + 1
+    if sliding_window is None:
+        band_lo = -rows                          # below every key of every row: no bound
+    else:
+        band_lo = np.maximum(first_pos - sliding_window + 1, -rows)
+    key_begin = np.maximum(band_lo, 0)
 
     num_head_groups = num_kv_heads // heads_per_item
     num_blocks = len(seq) * num_head_groups
+    span = key_end - key_begin
     parts = np.ones(len(seq), dtype=np.int64)
     if 0 < num_blocks < target_items:
         wanted = -(-target_items // num_blocks)
-        parts = np.clip(key_end // max(min_part_tokens, 1), 1, wanted)
-    part_len = -(-key_end // parts)
+        parts = np.clip(span // max(min_part_tokens, 1), 1, wanted)
+    part_len = -(-span // parts)
     part_len = -(-part_len // page_size) * page_size
-    parts = -(-key_end // part_len)
+    # parts start on page boundaries, counted from the page of the first key
+    base = key_begin // page_size * page_size
+    parts = -(-(key_end - base) // part_len)
 
     # expand: block -> kv head -> part, so the parts of one (block, head) are adjacent
     per_block = parts * num_head_groups
@@ -65,13 +90,18 @@ def plan_attention(query_start, seq_lens, *, num_kv_heads, page_size, rows_per_b
     within = np.arange(len(blk)) - np.repeat(np.cumsum(per_block) - per_block, per_block)
     head = within // parts[blk]
     part = within % parts[blk]
-    items = np.empty((len(blk), ITEM_FIELDS), dtype=np.int32)
-    items[:, 0] = seq[blk]
-    items[:, 1] = head * heads_per_item
-    items[:, 2] = row0[blk]
-    items[:, 3] = row1[blk]
-    items[:, 4] = part * part_len[blk]
-    items[:, 5] = np.minimum((part + 1) * part_len[blk], key_end[blk])
-    item_offsets = np.concatenate(
-        [[0], np.cumsum(np.repeat(parts, num_head_groups))]).astype(np.int32)
+    items = np.empty((len(blk), ITEM.FIELDS), dtype=np.int32)
+    items[:, ITEM.SEQ] = seq[blk]
+    items[:, ITEM.KV_HEAD] = head * heads_per_item
+    items[:, ITEM.ROW0] = row0[blk]
+    items[:, ITEM.ROW1] = row1[blk]
+    items[:, ITEM.KEY0] = np.maximum(base[blk] + part * part_len[blk], key_begin[blk])
+    items[:, ITEM.KEY1] = np.minimum(base[blk] + (part + 1) * part_len[blk], key_end[blk])
+    items[:, ITEM.BAND_LO] = band_lo[blk]
+    items[:, ITEM.BAND_HI] = band_hi[blk]
+    counts = np.repeat(parts, num_head_groups)
+    in_split = np.repeat(counts > 1, counts)
+    items[:, ITEM.PART] = -1
+    items[in_split, ITEM.PART] = np.arange(int(in_split.sum()), dtype=np.int32)
+    item_offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
     return items, item_offsets

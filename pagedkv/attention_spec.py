@@ -1,0 +1,125 @@
+"""What one attention call computes besides its inputs: scale, window, soft cap, sinks.
+
+:class:`AttentionSpec` is validated once, by the facade, and travels down to
+the backends as one object: the planner turns ``sliding_window`` into each
+work item's visible key band, and the kernels apply ``scale``,
+``logits_soft_cap`` and ``sinks``.  A new variant is a field here, its check
+in :meth:`AttentionSpec.from_arguments`, and its use in the kernels.
+"""
+import math
+import numbers
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from pagedkv.errors import ArgumentTypeError
+
+#: Positions are int32, so a window this wide already sees every position.
+MAX_WINDOW = 2**31 - 1
+
+
+def _positive_float32(name, value):
+    """``value`` as a float that is positive and finite in float32, or ValueError."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ArgumentTypeError(f"{name}: expected a positive finite float, got "
+                                f"{type(value).__name__} {value!r}")
+    try:
+        as_float = float(value)
+    except OverflowError:      # an int beyond any float, e.g. 10**400
+        as_float = math.inf
+    with np.errstate(over="ignore"):
+        single = np.float32(as_float)
+    if not (np.isfinite(single) and single > 0):
+        raise ValueError(f"{name}: expected a positive float that is finite and nonzero in "
+                         f"float32, got {value!r}")
+    return float(single)
+
+
+@dataclass(frozen=True, eq=False)
+class AttentionSpec:
+    """One attention variant.
+
+    For query head ``h`` of the new token at position ``p``, with logits
+    ``x_j = scale * q . k_j`` over the visible positions ``j``:
+
+    * visible positions: ``max(0, p - sliding_window + 1) .. p`` (every
+      ``j <= p`` when ``sliding_window`` is None);
+    * ``logits_soft_cap = c``: ``x_j`` becomes ``c * tanh(x_j / c)``;
+    * ``sinks``: the softmax denominator gains ``exp(sinks[h])`` (not scaled,
+      nothing added to the numerator), i.e.
+      ``out = sum_j exp(x_j) v_j / (sum_j exp(x_j) + exp(sinks[h]))``.
+
+    Attributes
+    ----------
+    scale : float
+    sliding_window : int or None
+        ``W``: FlashInfer's ``window_left`` is ``W - 1``; Hugging Face's
+        ``sliding_window`` is ``W``.
+    logits_soft_cap : float or None
+    sinks : ndarray, shape [num_heads], float32, read-only, or None
+    """
+    scale: float
+    sliding_window: Optional[int] = None
+    logits_soft_cap: Optional[float] = None
+    sinks: Optional[np.ndarray] = None
+
+    @classmethod
+    def from_arguments(cls, *, head_dim, num_heads, scale=None, sliding_window=None,
+                       logits_soft_cap=None, sinks=None, as_numpy=np.asarray):
+        """Validate the variant arguments of ``PagedKVCache.attention``.
+
+        Parameters
+        ----------
+        head_dim, num_heads : int
+        scale : float, optional
+            Default ``1 / sqrt(head_dim)``.
+        sliding_window : int >= 1, optional
+        logits_soft_cap : float > 0, optional
+        sinks : array-like, shape [num_heads], optional
+        as_numpy : callable
+            Turns ``sinks`` into an ndarray (the facade passes its converter
+            for torch tensors and other array types).
+
+        Raises
+        ------
+        ValueError
+            A value out of range or not finite, or ``sinks`` of another shape;
+            the message names the argument.
+        """
+        scale = 1.0 / math.sqrt(head_dim) if scale is None else _positive_float32("scale", scale)
+        if sliding_window is not None:
+            if isinstance(sliding_window, bool) or \
+                    not isinstance(sliding_window, numbers.Integral):
+                raise ArgumentTypeError(f"sliding_window: expected an int >= 1, got "
+                                        f"{type(sliding_window).__name__} {sliding_window!r}")
+            if sliding_window < 1:
+                raise ValueError(f"sliding_window: expected an int >= 1, got {sliding_window}")
+            sliding_window = min(int(sliding_window), MAX_WINDOW)
+        if logits_soft_cap is not None:
+            logits_soft_cap = _positive_float32("logits_soft_cap", logits_soft_cap)
+        if sinks is not None:
+            sinks = cls._check_sinks(as_numpy(sinks), num_heads)
+        return cls(scale, sliding_window, logits_soft_cap, sinks)
+
+    @staticmethod
+    def _check_sinks(values, num_heads):
+        values = np.asarray(values)
+        if values.shape != (num_heads,):
+            raise ValueError(f"sinks: expected shape [{num_heads}] (one per query head), "
+                             f"got {list(values.shape)}")
+        if values.dtype.kind not in "fiu":
+            raise ArgumentTypeError(f"sinks: expected floats, got dtype {values.dtype}")
+        with np.errstate(over="ignore", invalid="ignore"):
+            single = values.astype(np.float32)
+        if not np.isfinite(single).all():
+            bad = values[~np.isfinite(single)][0]
+            raise ValueError(f"sinks: expected finite float32 values, got {bad!r}")
+        single.setflags(write=False)
+        return single
+
+    def with_window(self, window):
+        """This spec with ``sliding_window`` narrowed to ``window`` (None: unchanged)."""
+        if window is None or (self.sliding_window is not None and self.sliding_window <= window):
+            return self
+        return AttentionSpec(self.scale, window, self.logits_soft_cap, self.sinks)
