@@ -17,15 +17,22 @@ def round_to_storage(x, dtype):
     return np.asarray(x, dtype=np.float32).astype(dtype).astype(np.float32)
 
 
-def dense_attention(q, k, v, positions, scale=None):
-    """Causal attention of queries at ``positions`` over one sequence's keys.
+def dense_attention(q, k, v, positions, scale=None, sliding_window=None, logits_soft_cap=None,
+                    sinks=None):
+    """Attention of queries at ``positions`` over one sequence's keys, in float64.
 
     Parameters
     ----------
     q : ndarray, shape [n, num_heads, D]
     k, v : ndarray, shape [L, num_kv_heads, D]
     positions : ndarray, shape [n], int
-        Query ``i`` sees keys ``0 .. positions[i]``.
+        Query ``i`` sees keys ``0 .. positions[i]`` (causal), or only the last
+        ``sliding_window`` of them.
+    scale : float, default ``1/sqrt(D)``
+    logits_soft_cap : float, optional
+        Logits ``x`` become ``c * tanh(x / c)``.
+    sinks : ndarray, shape [num_heads], optional
+        ``exp(sinks[h])`` joins head ``h``'s softmax denominator.
 
     Returns
     -------
@@ -39,15 +46,28 @@ def dense_attention(q, k, v, positions, scale=None):
         return np.zeros(q.shape)
     group = num_heads // k.shape[1]
     scale = 1.0 / np.sqrt(head_dim) if scale is None else scale
-    k = np.repeat(k, group, axis=1)          # [L, num_heads, D]
-    v = np.repeat(v, group, axis=1)
+    positions = np.asarray(positions)
+    keys = np.arange(k.shape[0])
+    visible = keys[None, :] <= positions[:, None]
+    if sliding_window is not None:
+        visible &= keys[None, :] > positions[:, None] - sliding_window
+    lo = int(np.argmax(visible.any(axis=0)))    # keys before every window are never read
+    k = np.repeat(k[lo:], group, axis=1)         # [L', num_heads, D]
+    v = np.repeat(v[lo:], group, axis=1)
+    visible = visible[:, lo:]
     scores = np.einsum("nhd,lhd->hnl", q, k) * scale
-    mask = np.arange(k.shape[0])[None, :] > np.asarray(positions)[:, None]
-    scores[:, mask] = -np.inf
-    scores -= scores.max(axis=-1, keepdims=True)
-    weights = np.exp(scores)
-    weights /= weights.sum(axis=-1, keepdims=True)
-    return np.einsum("hnl,lhd->nhd", weights, v)
+    if logits_soft_cap is not None:
+        scores = logits_soft_cap * np.tanh(scores / logits_soft_cap)
+    scores[:, ~visible] = -np.inf
+    top = scores.max(axis=-1, keepdims=True)
+    if sinks is not None:
+        sink = np.asarray(sinks, dtype=np.float64)[:, None, None]
+        top = np.maximum(top, sink)
+    weights = np.exp(scores - top)
+    total = weights.sum(axis=-1, keepdims=True)
+    if sinks is not None:
+        total += np.exp(sink - top)
+    return np.einsum("hnl,lhd->nhd", weights / total, v)
 
 
 class ReferenceCache:
@@ -84,13 +104,14 @@ class ReferenceCache:
             self.v[s][layer] = np.concatenate([self.v[s][layer], vv])
             row += n
 
-    def attention(self, layer, seq_ids, counts, q, scale=None):
-        """Reference output [total_new, num_heads, D] for a step already stored."""
+    def attention(self, layer, seq_ids, counts, q, **variant):
+        """Reference output [total_new, num_heads, D] for a step already stored;
+        ``variant``: the keyword arguments of :func:`dense_attention`."""
         out, row = [np.zeros((0,) + q.shape[1:])], 0
         for s, n in zip(seq_ids, counts):
             k, v = self.k[s][layer], self.v[s][layer]
             positions = np.arange(len(k) - n, len(k))
-            out.append(dense_attention(q[row:row + n], k, v, positions, scale))
+            out.append(dense_attention(q[row:row + n], k, v, positions, **variant))
             row += n
         return np.concatenate(out)
 
@@ -135,11 +156,12 @@ class Harness:
     def random(self, *shape):
         return self.rng.standard_normal(shape, dtype=np.float32)
 
-    def step(self, seq_ids, counts, check=True):
+    def step(self, seq_ids, counts, check=True, **variant):
         """One engine step over every layer; returns the StepBatch.
 
         ``check=False`` skips the attention comparison (for a huge prefill
-        whose dense reference would not fit in memory)."""
+        whose dense reference would not fit in memory).  ``variant``: keyword
+        arguments of ``attention`` (scale, sliding_window, ...)."""
         counts = [int(c) for c in np.broadcast_to(counts, (len(seq_ids),))]
         batch = self.cache.append(seq_ids, counts)
         total = sum(counts)
@@ -152,10 +174,10 @@ class Harness:
             self.ref.store(layer, seq_ids, counts, k, v)
             if not check:
                 continue
-            out = c.attention(layer, batch, q)
+            out = c.attention(layer, batch, q, **variant)
             assert out.shape == q.shape and out.dtype == np.float32
-            np.testing.assert_allclose(out, self.ref.attention(layer, seq_ids, counts, q),
-                                       **self.tol)
+            np.testing.assert_allclose(out, self.ref.attention(layer, seq_ids, counts, q,
+                                                               **variant), **self.tol)
         return batch
 
     def check_contents(self):

@@ -209,9 +209,10 @@ class TestDeviceSelection:
 
 # -- one workload through both backends --------------------------------------------------
 
-def run_workload(backend, dtype, **kwargs):
+def run_workload(backend, dtype, variant=None, **kwargs):
     """Ragged prefill over page boundaries, decode, a fork with copy-on-write, chunked
-    prefill; GQA 4.  Returns every attention output and the final gathered K/V."""
+    prefill; GQA 4; ``variant``: attention keyword arguments.  Returns every attention
+    output and the final gathered K/V."""
     rng = np.random.default_rng(7)
     cache = pagedkv.PagedKVCache(2, 2, 64, num_pages=96, page_size=16, dtype=dtype,
                                  backend=backend, **kwargs)
@@ -223,7 +224,8 @@ def run_workload(backend, dtype, **kwargs):
         for layer in range(2):
             k, v = rng.standard_normal((2, n, 2, 64), dtype=np.float32)
             cache.store(layer, batch, k, v)
-            outputs.append(cache.attention(layer, batch, rng.standard_normal((n, 8, 64))))
+            outputs.append(cache.attention(layer, batch, rng.standard_normal((n, 8, 64)),
+                                           **(variant or {})))
 
     a, b, c = (cache.add_sequence() for _ in range(3))
     step([a, b, c], [37, 16, 5])
@@ -248,6 +250,19 @@ def test_same_results_as_host(dtype):
         assert hk.tobytes() == ok.tobytes() and hv.tobytes() == ov.tobytes()
 
 
+@needs_opencl
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_same_results_as_host_with_variants(dtype):
+    variant = dict(sliding_window=19, logits_soft_cap=1.3, scale=0.25,
+                   sinks=np.random.default_rng(9).uniform(-1, 2, 8))
+    host_out, host_kv = run_workload("host", dtype, variant)
+    ocl_out, ocl_kv = run_workload("opencl", dtype, variant)
+    for expected, got in zip(host_out, ocl_out):
+        np.testing.assert_allclose(got, expected, **TOLERANCE["float32"])
+    for (hk, hv), (ok, ov) in zip(host_kv, ocl_kv):
+        assert hk.tobytes() == ok.tobytes() and hv.tobytes() == ov.tobytes()
+
+
 # Layouts a GPU (or a device with little local memory) would get, run here.
 LAYOUTS = {
     "gpu": dict(work_group_size=64, vector_width=4, query_tile=1, key_tile=1, column_tile=1,
@@ -258,10 +273,14 @@ LAYOUTS = {
 
 
 @needs_opencl
+@pytest.mark.parametrize("windowed", [False, True])
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_other_layouts_give_the_same_results(layout):
-    host_out, host_kv = run_workload("host", "float16")
-    ocl_out, ocl_kv = run_workload("opencl", "float16", backend_options={"layout": LAYOUTS[layout]})
+def test_other_layouts_give_the_same_results(layout, windowed):
+    variant = dict(sliding_window=21, logits_soft_cap=2.0,
+                   sinks=np.linspace(-1, 2, 8)) if windowed else None
+    host_out, host_kv = run_workload("host", "float16", variant)
+    ocl_out, ocl_kv = run_workload("opencl", "float16", variant,
+                                   backend_options={"layout": LAYOUTS[layout]})
     for expected, got in zip(host_out, ocl_out):
         np.testing.assert_allclose(got, expected, **TOLERANCE["float32"])
     for (hk, hv), (ok, ov) in zip(host_kv, ocl_kv):
@@ -427,3 +446,20 @@ def test_memory_bytes_and_pool_limits():
     too_many = device.max_mem_alloc_size // (2 * 8 * 32 * 4) + 1
     with pytest.raises(ValueError, match="num_pages: .* use fewer pages"):
         opencl_cache(2, 32, num_pages=too_many, page_size=8)
+
+
+@needs_opencl
+def test_program_and_context_caches_can_be_cleared():
+    from pagedkv.backends import _opencl_program
+    first = opencl_cache()._backend
+    _opencl_program.clear_program_cache()
+    _opencl_device.clear_context_cache()
+    assert not _opencl_program._programs
+    second = opencl_cache()._backend
+    assert second.context is not first.context and _opencl_program._programs
+    h = opencl_cache()
+    s = h.add_sequence()
+    batch = h.append([s], 3)
+    k = np.ones((3, 2, 32), np.float32)
+    h.store(0, batch, k, k)
+    np.testing.assert_allclose(h.attention(0, batch, np.ones((3, 2, 32))), 1.0)

@@ -127,6 +127,11 @@ def _parse_index(text, what):
     return devices[key]
 
 
+def clear_context_cache():
+    """Forget the shared contexts (caches made later get fresh ones; live caches keep theirs)."""
+    _contexts.clear()
+
+
 def context_for_device(device):
     """A Context on ``device``, shared by every backend on it (programs are cached per context)."""
     import pyopencl as cl
