@@ -3,7 +3,7 @@ import numbers
 
 import numpy as np
 
-from pagedkv.errors import ArgumentTypeError
+from pagedkv.errors import ArgumentTypeError, UnknownSequenceError
 
 
 def check_int(name, value, *, minimum=None, maximum=None):
@@ -19,8 +19,19 @@ def check_int(name, value, *, minimum=None, maximum=None):
 
 
 def check_int_vector(name, value, *, length=None, minimum=None):
-    """``value`` (int or sequence of ints) as an int64 ndarray of shape [length]."""
-    arr = np.asarray(value)
+    """``value`` (int or sequence of ints) as a new int64 ndarray of shape [length].
+
+    The result is always a private copy: later changes to the caller's array
+    (from a callback, or another thread) cannot reach what was validated.
+    """
+    if not isinstance(value, np.ndarray) and isinstance(value, (list, tuple)) and \
+            any(isinstance(x, (bool, np.bool_)) for x in value):
+        raise ArgumentTypeError(f"{name}: expected ints, got a bool in {value!r}"[:200])
+    try:
+        arr = np.asarray(value)
+    except (ValueError, TypeError) as exc:   # ragged nesting, objects numpy cannot hold
+        raise ValueError(f"{name}: expected a 1-D sequence of ints, got {value!r}"[:200]
+                         + f" ({exc})") from None
     if arr.ndim == 0 and length is not None:
         arr = np.full(length, arr)
     if arr.ndim != 1:
@@ -33,7 +44,15 @@ def check_int_vector(name, value, *, length=None, minimum=None):
         raise ValueError(f"{name}: expected every entry >= {minimum}, got {int(arr.min())}")
     if arr.dtype.kind == "u" and arr.size and arr.max() > np.iinfo(np.int64).max:
         raise ValueError(f"{name}: entry {int(arr.max())} does not fit in int64")
-    return np.ascontiguousarray(arr, dtype=np.int64)
+    return np.array(arr, dtype=np.int64, order="C")
+
+
+def check_seq_id(name, value):
+    """A sequence id as an int; anything else is an UnknownSequenceError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise UnknownSequenceError(f"{name}: expected an int sequence id, got "
+                                   f"{type(value).__name__} {value!r}"[:200])
+    return int(value)
 
 
 def check_tensor(name, x, shape, *, array_types=(np.ndarray,)):
