@@ -3,6 +3,7 @@ import numbers
 
 import numpy as np
 
+from pagedkv._arrays import to_numpy
 from pagedkv.errors import ArgumentTypeError, UnknownSequenceError
 
 
@@ -55,14 +56,17 @@ def check_seq_id(name, value):
     return int(value)
 
 
-def check_tensor(name, x, shape, *, array_types=(np.ndarray,)):
-    """Check that ``x`` is a float array of exactly ``shape``; return it unchanged.
+def check_tensor(name, x, shape, *, native_types=()):
+    """``x`` as the array the kernels will read, checked to be floats of exactly ``shape``.
 
+    ``x`` may be one of ``native_types`` (the backend's device arrays, kept as
+    they are) or anything :func:`pagedkv._arrays.to_numpy` takes (numpy,
+    torch CPU tensors, CPU ``__dlpack__`` objects), which becomes an ndarray
+    first: the checks apply to that buffer, not to the object's own claims.
     ``shape`` entries are ints, or ``None`` for "any size".
     """
-    if not isinstance(x, array_types):
-        kinds = " or ".join(f"{t.__module__.split('.')[0]}.{t.__name__}" for t in array_types)
-        raise ArgumentTypeError(f"{name}: expected {kinds}, got {type(x).__name__}")
+    if not isinstance(x, native_types):
+        x = to_numpy(name, x)
     got = tuple(x.shape)
     if len(got) != len(shape) or any(e is not None and e != g for e, g in zip(shape, got)):
         want = "[" + ", ".join("*" if e is None else str(e) for e in shape) + "]"

@@ -9,9 +9,12 @@ keeps the two in step.  A typical engine step::
         cache.store(layer, batch, k, v)
         out = cache.attention(layer, batch, q)
 """
+import sys
+
 import numpy as np
 
 from pagedkv._allocator import PageAllocator
+from pagedkv._arrays import is_torch_tensor, to_numpy
 from pagedkv._exclusive import Guard, exclusive
 from pagedkv._memory import check_fits
 from pagedkv._page_table import PageTables
@@ -351,8 +354,6 @@ class PagedKVCache:
                              "(append, truncate, restore, free or clear); append again")
         return layer
 
-    def _array_types(self):
-        return (np.ndarray,) + tuple(self._backend.array_types)
 
     @exclusive
     def store(self, layer, batch, k, v):
@@ -365,13 +366,16 @@ class PagedKVCache:
         ----------
         layer : int
         batch : StepBatch
-        k, v : ndarray or backend array, shape [total_new, num_kv_heads, head_dim], float
-            Rounded to the storage dtype.
+        k, v : array, shape [total_new, num_kv_heads, head_dim], float
+            numpy arrays, torch CPU tensors, CPU ``__dlpack__`` objects (float16,
+            bfloat16, float32 or float64, any strides), or the backend's device
+            arrays (opencl: ``pyopencl.array.Array``).  Rounded to the storage dtype.
         """
         layer = self._check_step(layer, batch)
         shape = (batch.num_tokens, self.num_kv_heads, self.head_dim)
-        check_tensor("k", k, shape, array_types=self._array_types())
-        check_tensor("v", v, shape, array_types=self._array_types())
+        native = self._backend.array_types
+        k = check_tensor("k", k, shape, native_types=native)
+        v = check_tensor("v", v, shape, native_types=native)
         self._backend.store(layer, batch._tables, k, v)
         batch._stored_layers.add(layer)
         if len(batch._stored_layers) == self.num_layers and self._tables.num_pending:
@@ -393,8 +397,9 @@ class PagedKVCache:
         layer : int
         batch : StepBatch
             ``store(layer, batch, ...)`` must have run first.
-        q : ndarray or backend array, shape [total_new, num_heads, head_dim], float
-            ``num_heads`` a multiple of ``num_kv_heads`` (GQA/MQA).
+        q : array, shape [total_new, num_heads, head_dim], float
+            ``num_heads`` a multiple of ``num_kv_heads`` (GQA/MQA); the array
+            kinds ``store`` takes.
         scale : float, default ``1/sqrt(head_dim)``
         sliding_window : int >= 1, optional
             ``W``: position ``p`` sees positions ``max(0, p - W + 1) .. p``, its
@@ -411,7 +416,9 @@ class PagedKVCache:
 
         Returns
         -------
-        out : shape [total_new, num_heads, head_dim], float32, the same kind of array as ``q``.
+        out : shape [total_new, num_heads, head_dim], float32
+            A torch tensor when ``q`` is one, a ``pyopencl.array.Array`` when
+            ``q`` is one, else a numpy array.
 
         Raises
         ------
@@ -422,19 +429,25 @@ class PagedKVCache:
             not finite); the message names the argument.  Nothing changes.
         """
         layer = self._check_step(layer, batch)
-        check_tensor("q", q, (batch.num_tokens, None, self.head_dim),
-                     array_types=self._array_types())
+        as_torch = is_torch_tensor(q)
+        q = check_tensor("q", q, (batch.num_tokens, None, self.head_dim),
+                         native_types=self._backend.array_types)
         num_heads = q.shape[1]
         if num_heads == 0 or num_heads % self.num_kv_heads:
             raise ValueError(f"q: expected num_heads a positive multiple of num_kv_heads="
                              f"{self.num_kv_heads}, got {num_heads}")
         spec = AttentionSpec.from_arguments(
             head_dim=self.head_dim, num_heads=num_heads, scale=scale,
-            sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, sinks=sinks)
+            sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, sinks=sinks,
+            as_numpy=lambda x: to_numpy("sinks", x) if is_torch_tensor(x) else x)
         if layer not in batch._stored_layers and batch.num_tokens:
             raise ValueError(f"layer: K/V of layer {layer} were not stored for this step; "
                              f"call store({layer}, batch, k, v) first")
-        return self._backend.attention(layer, batch._tables, q, spec)
+        if not as_torch:
+            return self._backend.attention(layer, batch._tables, q, spec)
+        out = sys.modules["torch"].empty(q.shape, dtype=sys.modules["torch"].float32)
+        self._backend.attention(layer, batch._tables, q, spec, out=out.numpy())
+        return out
 
     # -- prefix cache ------------------------------------------------------------------
     @exclusive
