@@ -10,8 +10,11 @@ padded block table.
 With prefix caching, a sequence also keeps its token ids and the hash chain
 of its full pages (``hash(parent page's hash, page's token ids)``).  A page
 that a step fills is entered in the allocator's prefix index only once that
-step's K/V is stored in every layer (``commit_pending``): a step abandoned
-before that (another append, a truncate, a free) leaves nothing reusable.
+step's K/V is stored in every layer (``close_step``).  A step abandoned
+before that (another append, a truncate, a free) leaves nothing reusable:
+its pages are not cached, and its sequences forget the step's tokens, so
+that no later page holding those unwritten positions is cached either
+(they cache again once truncated back below them).
 ``add(token_ids)`` starts a sequence on the longest cached chain of its prompt.
 """
 import numbers
@@ -20,6 +23,7 @@ import numpy as np
 cimport numpy as cnp
 from libc.stdint cimport int32_t, int64_t, uint64_t
 from libc.string cimport memcpy
+from libcpp.pair cimport pair
 from libcpp.vector cimport vector
 from libcpp.unordered_map cimport unordered_map
 from cython.operator cimport dereference as deref
@@ -99,7 +103,10 @@ cdef class PageTables:
     cdef bint caching
     cdef object hash_fn
     cdef unordered_map[int64_t, PkvSequence] seqs
-    cdef vector[PkvPendingPage] pending     # pages the last step filled, not yet cached
+    # the open step: pages it filled (cached once it is stored in every layer)
+    # and its sequences' lengths before it (forgotten tokens if abandoned)
+    cdef vector[PkvPendingPage] pending
+    cdef vector[pair[int64_t, int64_t]] open_seqs
     cdef int64_t next_id
     cdef int64_t num_steps
     cdef readonly int64_t num_prompt_tokens    # passed to add(token_ids=...)
@@ -186,6 +193,10 @@ cdef class PageTables:
         cdef size_t i
         for i in range(parent.pages.size()):
             self.allocator.incref_page(parent.pages[i])
+        for i in range(self.open_seqs.size()):   # the child shares the open step's fate
+            if self.open_seqs[i].first == <int64_t>parent_id:
+                self.open_seqs.push_back(pair[int64_t, int64_t](child_id, self.open_seqs[i].second))
+                break
         self.next_id += 1
         self.seqs[child_id] = deref(parent)   # copies the page list, not the pages
         return child_id
@@ -193,13 +204,13 @@ cdef class PageTables:
     def free(self, seq_id):
         """Drop the sequence; its pages go back to the pool once no one shares them."""
         cdef PkvSequence* seq = self.find(seq_id)
-        self.pending.clear()
+        self.abandon_step()
         release_pages(self.allocator, seq, 0)
         self.seqs.erase(<int64_t>seq_id)
 
     def clear(self):
         """Free every sequence."""
-        self.pending.clear()
+        self.abandon_step()
         for kv in self.seqs:
             release_pages(self.allocator, &kv.second, 0)
         self.seqs.clear()
@@ -255,7 +266,7 @@ cdef class PageTables:
         cdef PkvSequence* seq = self.find(seq_id)
         if not 0 <= new_len <= seq.length:
             raise ValueError(f"new_len: expected 0 <= new_len <= seq_len={seq.length}, got {new_len}")
-        self.pending.clear()
+        self.abandon_step()
         release_pages(self.allocator, seq, pages_for(new_len, self.page_size))
         seq.length = new_len
         if <int64_t>seq.tokens.size() > new_len:
@@ -401,7 +412,7 @@ cdef class PageTables:
         cdef int32_t page
         cdef size_t n_pages
         copies_of.clear()
-        self.pending.clear()     # the previous step's pages, if still pending, are abandoned
+        self.abandon_step()      # a previous step not stored in full is given up
 
         # Pass 2: commit (cannot fail) and fill the tables.
         with nogil:
@@ -421,6 +432,7 @@ cdef class PageTables:
                 while <int64_t>seq.pages.size() < pages_for(new_len, ps):
                     seq.pages.push_back(self.allocator.take_page())
                 if track and <int64_t>seq.tokens.size() == seq.length:
+                    self.open_seqs.push_back(pair[int64_t, int64_t](ids[b], seq.length))
                     if counts[b] > 0:   # (row may be one past the end of tokens otherwise)
                         seq.tokens.insert(seq.tokens.end(), &tokens[row],
                                           &tokens[row] + counts[b])
@@ -442,7 +454,7 @@ cdef class PageTables:
     cdef void record_full_pages(self, int64_t seq_id, PkvSequence* seq,
                                 vector[uint64_t]& new_hashes) noexcept nogil:
         """Extend the sequence's hash chain by the pages this step fills, and hold
-        them as pending until ``commit_pending``."""
+        them as pending until ``close_step``."""
         cdef size_t i
         cdef PkvPendingPage entry
         for i in range(new_hashes.size()):
@@ -452,12 +464,31 @@ cdef class PageTables:
             seq.hashes.push_back(new_hashes[i])
             self.pending.push_back(entry)
 
-    def commit_pending(self):
-        """Enter the last step's filled pages in the prefix index, in chain order.
+    cdef void abandon_step(self) noexcept nogil:
+        """Give up the open step: cache none of its pages, and make its sequences
+        forget its tokens (their K/V may never have been stored)."""
+        cdef size_t i
+        cdef int64_t old_len
+        cdef PkvSequence* seq
+        for i in range(self.open_seqs.size()):
+            it = self.seqs.find(self.open_seqs[i].first)
+            if it == self.seqs.end():
+                continue
+            seq = &deref(it).second
+            old_len = self.open_seqs[i].second
+            if <int64_t>seq.tokens.size() > old_len:
+                seq.tokens.resize(old_len)
+            if <int64_t>seq.hashes.size() > old_len // self.page_size:
+                seq.hashes.resize(old_len // self.page_size)
+        self.open_seqs.clear()
+        self.pending.clear()
 
-        Call once the step's K/V is stored in every layer.  A page joins only
-        if its parent page is cached: the chain is what a later prompt is
-        matched against.  Returns how many pages joined.
+    def close_step(self):
+        """The open step is stored in every layer: enter the pages it filled in the
+        prefix index, in chain order.
+
+        A page joins only if its parent page is cached: the chain is what a
+        later prompt is matched against.  Returns how many pages joined.
         """
         cdef size_t i
         cdef int64_t parent_entry, j
@@ -479,9 +510,10 @@ cdef class PageTables:
                     &seq.tokens[j * self.page_size]):
                 joined += 1
         self.pending.clear()
+        self.open_seqs.clear()
         return joined
 
     @property
-    def num_pending(self):
-        """Pages the last step filled that wait for ``commit_pending``."""
-        return self.pending.size()
+    def has_open_step(self):
+        """Whether a step with prefix tracking waits for ``close_step``."""
+        return not self.open_seqs.empty()

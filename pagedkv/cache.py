@@ -378,8 +378,8 @@ class PagedKVCache:
         v = check_tensor("v", v, shape, native_types=native)
         self._backend.store(layer, batch._tables, k, v)
         batch._stored_layers.add(layer)
-        if len(batch._stored_layers) == self.num_layers and self._tables.num_pending:
-            self._tables.commit_pending()
+        if len(batch._stored_layers) == self.num_layers and self._tables.has_open_step:
+            self._tables.close_step()
 
     @exclusive
     def attention(self, layer, batch, q, *, scale=None, sliding_window=None,
