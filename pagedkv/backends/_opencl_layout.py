@@ -36,6 +36,9 @@ class KernelLayout:
 
     Attributes
     ----------
+    kind : {"cpu", "gpu"}
+        Whose defaults the other attributes start from: ``"gpu"`` when the
+        device reports the GPU bit (or is no CPU), else ``"cpu"``.
     work_group_size : int
         Work-items per work-group: a power of two within the device's limits.
     vector_width : int
@@ -55,12 +58,20 @@ class KernelLayout:
     """
 
     #: The attributes ``**overrides`` may force.
-    OVERRIDABLE = ("work_group_size", "vector_width", "column_tile", "query_tile", "key_tile",
-                   "chunk", "max_queries", "stage_k", "stage_v")
+    OVERRIDABLE = ("kind", "work_group_size", "vector_width", "column_tile", "query_tile",
+                   "key_tile", "chunk", "max_queries", "stage_k", "stage_v")
 
     def __init__(self, device, head_dim, **overrides):
         import pyopencl as cl
-        is_cpu = bool(device.type & cl.device_type.CPU)
+        # The GPU shape whenever the device says GPU, even if it says CPU as well
+        # (Oclgrind says both): it is the one whose work spreads over work-items.
+        kind = "gpu" if device.type & cl.device_type.GPU or \
+            not device.type & cl.device_type.CPU else "cpu"
+        self.kind = overrides.get("kind", kind)
+        if self.kind not in ("cpu", "gpu"):
+            raise ValueError(f"backend_options: layout: kind must be 'cpu' or 'gpu', "
+                             f"got {self.kind!r}")
+        is_cpu = self.kind == "cpu"
         limit = min(device.max_work_group_size, device.max_work_item_sizes[0])
         self.head_dim = head_dim
         self.work_group_size = _floor_pow2(
