@@ -4,7 +4,13 @@ Decode case: 32 sequences x 2,048 tokens, 8 KV heads, 32 query heads,
 head_dim 128, page size 16.  Decode attention reads every K and V byte once,
 so its speed is reported as KV bytes / time, next to this machine's streaming
 read bandwidth measured by the same run, and next to the same attention on
-contiguous arrays with NumPy (and torch, when installed).
+contiguous arrays with NumPy (and torch, when installed).  Prefill is
+reported in GFLOP/s next to this machine's sgemm rate (torch.mm, else numpy).
+
+The variants (float16, the decode case's heads): a windowed decode of 32 x
+8,192 tokens with W=512 against a full decode of 32 x 512; a windowed prefill
+of 4,096 tokens with W=512 against the full causal one; soft cap and sinks
+against the plain decode case.
 
     python benchmarks/bench_attention.py [--backends host,opencl] [--quick]
 """
@@ -23,18 +29,25 @@ except ImportError:  # torch is optional: its rows are left out
     torch = None
 
 
-def fill_cache(backend, dtype, num_seqs, seq_len, num_kv_heads, head_dim, page_size, rng):
-    """A cache holding ``num_seqs`` sequences of random K/V; returns (cache, K, V) with the
-    contiguous copies K, V of shape [num_seqs, num_kv_heads, seq_len, head_dim]."""
+def fill_cache(backend, dtype, num_seqs, seq_len, num_kv_heads, head_dim, page_size, rng,
+               keep_contiguous=True):
+    """A cache holding ``num_seqs`` sequences of random K/V; returns (cache, seqs, K, V) with
+    the contiguous copies K, V of shape [num_seqs, num_kv_heads, seq_len, head_dim] (None
+    unless ``keep_contiguous``).  Room is left for one more token per sequence."""
     pages = num_seqs * -(-(seq_len + 1) // page_size)
     cache = pagedkv.PagedKVCache(1, num_kv_heads, head_dim, num_pages=pages,
                                  page_size=page_size, dtype=dtype, backend=backend)
     seqs = [cache.add_sequence() for _ in range(num_seqs)]
-    k = rng.standard_normal((num_seqs, seq_len, num_kv_heads, head_dim), dtype=np.float32)
-    v = rng.standard_normal((num_seqs, seq_len, num_kv_heads, head_dim), dtype=np.float32)
-    batch = cache.append(seqs, seq_len)
-    cache.store(0, batch, k.reshape(-1, num_kv_heads, head_dim), v.reshape(-1, num_kv_heads, head_dim))
-    return cache, seqs, k.transpose(0, 2, 1, 3).copy(), v.transpose(0, 2, 1, 3).copy()
+    shape = (num_seqs, num_kv_heads, seq_len, head_dim)
+    K = np.empty(shape, np.float32) if keep_contiguous else None
+    V = np.empty(shape, np.float32) if keep_contiguous else None
+    for i, s in enumerate(seqs):     # one sequence at a time: long ones need no huge temporaries
+        k = rng.standard_normal((seq_len, num_kv_heads, head_dim), dtype=np.float32)
+        v = rng.standard_normal((seq_len, num_kv_heads, head_dim), dtype=np.float32)
+        cache.store(0, cache.append([s], seq_len), k, v)
+        if keep_contiguous:
+            K[i], V[i] = k.transpose(1, 0, 2), v.transpose(1, 0, 2)
+    return cache, seqs, K, V
 
 
 def numpy_decode(q, k, v, scale):
@@ -64,16 +77,7 @@ def decode_rows(backend, args, rng, bandwidth):
         cache, seqs, K, V = fill_cache(backend, dtype, B, L - 1, hkv, d, ps, rng)
         q = rng.standard_normal((B, hq, d), dtype=np.float32)
         k1 = rng.standard_normal((B, hkv, d), dtype=np.float32)
-
-        def step():
-            # one decode step: the last token's K/V joins, then attention reads all L
-            batch = cache.append(seqs, 1)
-            cache.store(0, batch, k1, k1)
-            out = cache.attention(0, batch, q)
-            for s in seqs:
-                cache.truncate(s, L - 1)
-            return out
-
+        step = decode_step(cache, seqs, L, q, k1)
         t = best_seconds(step, repeat=args.repeat)
         kv_bytes = kv_bytes32 // (2 if dtype == "float16" else 1)
         times[dtype] = t
@@ -113,27 +117,134 @@ def cached_rows(backend, args, rng):
     return rows
 
 
+def decode_step(cache, seqs, seq_len, q, k1, **variant):
+    """One timed decode step on sequences of ``seq_len - 1`` stored tokens: the last
+    token's K/V joins, attention reads all ``seq_len``, and the sequences roll back."""
+    def step():
+        batch = cache.append(seqs, 1)
+        cache.store(0, batch, k1, k1)
+        out = cache.attention(0, batch, q, **variant)
+        for s in seqs:
+            cache.truncate(s, seq_len - 1)
+        return out
+    return step
+
+
+def prefill_step(cache, s, q, k, **variant):
+    """One timed prefill of ``len(q)`` tokens, rolled back afterwards."""
+    def prefill():
+        batch = cache.append([s], len(q))
+        cache.store(0, batch, k, k)
+        out = cache.attention(0, batch, q, **variant)
+        cache.truncate(s, 0)
+        return out
+    return prefill
+
+
+def variant_rows(backend, args, rng):
+    """Windowed decode and prefill, soft cap and sinks, float16, decode-case heads.
+
+    Returns rows of [case, ms, ratio, what the ratio compares to]."""
+    B, hkv, hq, d, ps, window = args.num_seqs, 8, 32, 128, 16, args.window
+    long_len, short_len = args.window_seq_len, window
+    q = rng.standard_normal((B, hq, d), dtype=np.float32)
+    k1 = rng.standard_normal((B, hkv, d), dtype=np.float32)
+    rows = []
+    times = {}
+    for name, length in (("short", short_len), ("long", long_len)):
+        cache, seqs, _, _ = fill_cache(backend, "float16", B, length - 1, hkv, d, ps, rng,
+                                       keep_contiguous=False)
+        variant = {"sliding_window": window} if name == "long" else {}
+        times[name] = best_seconds(decode_step(cache, seqs, length, q, k1, **variant),
+                                   repeat=args.repeat)
+        del cache
+    rows.append([f"{backend} decode {B} x {long_len}, window {window}",
+                 f"{times['long'] * 1e3:.2f}", f"{times['long'] / times['short']:.2f}",
+                 f"x full decode of {B} x {short_len} ({times['short'] * 1e3:.2f} ms)"])
+
+    cache, seqs, _, _ = fill_cache(backend, "float16", B, args.seq_len - 1, hkv, d, ps, rng,
+                                   keep_contiguous=False)
+    plain = best_seconds(decode_step(cache, seqs, args.seq_len, q, k1), repeat=args.repeat)
+    for label, variant in (("soft cap 50", {"logits_soft_cap": 50.0}),
+                           ("sinks", {"sinks": rng.standard_normal(hq)})):
+        t = best_seconds(decode_step(cache, seqs, args.seq_len, q, k1, **variant),
+                         repeat=args.repeat)
+        rows.append([f"{backend} decode {B} x {args.seq_len}, {label}", f"{t * 1e3:.2f}",
+                     f"{t / plain:.3f}", f"x the same decode without it ({plain * 1e3:.2f} ms)"])
+    del cache
+
+    n = args.window_prefill_len
+    cache = pagedkv.PagedKVCache(1, hkv, d, num_pages=-(-n // ps), page_size=ps,
+                                 dtype="float16", backend=backend)
+    s = cache.add_sequence()
+    qp = rng.standard_normal((n, hq, d), dtype=np.float32)
+    kp = rng.standard_normal((n, hkv, d), dtype=np.float32)
+    reps = max(2, args.repeat // 2)
+    full = best_seconds(prefill_step(cache, s, qp, kp), repeat=reps, warmup=1)
+    windowed = best_seconds(prefill_step(cache, s, qp, kp, sliding_window=window),
+                            repeat=reps, warmup=1)
+    rows.append([f"{backend} prefill {n}, window {window}", f"{windowed * 1e3:.1f}",
+                 f"{full / windowed:.2f}",
+                 f"x faster than the full causal prefill ({full * 1e3:.1f} ms)"])
+    return rows
+
+
+def sgemm_rate(rng, n=2048):
+    """This machine's float32 matrix-multiply rate in FLOP/s (torch.mm on every
+    thread torch uses, else numpy's BLAS), the ceiling prefill is compared to."""
+    a = rng.standard_normal((n, n), dtype=np.float32)
+    b = rng.standard_normal((n, n), dtype=np.float32)
+    if torch is not None:
+        ta, tb = torch.from_numpy(a), torch.from_numpy(b)
+        t = best_seconds(lambda: torch.mm(ta, tb), repeat=5)
+    else:
+        t = best_seconds(lambda: a @ b, repeat=5)
+    return 2 * n ** 3 / t
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--backends", default=",".join(pagedkv.available_backends()))
     parser.add_argument("--num-seqs", type=int, default=32)
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--prefill-len", type=int, default=2048)
+    parser.add_argument("--window", type=int, default=512)
+    parser.add_argument("--window-seq-len", type=int, default=8192)
+    parser.add_argument("--window-prefill-len", type=int, default=4096)
     parser.add_argument("--repeat", type=int, default=7)
+    parser.add_argument("--sections", default="decode,variants,prefill",
+                        help="comma-separated subset of decode, variants, prefill")
     parser.add_argument("--quick", action="store_true", help="a small case, for a smoke run")
     args = parser.parse_args()
     if args.quick:
         args.num_seqs, args.seq_len, args.prefill_len, args.repeat = 4, 512, 256, 2
+        args.window, args.window_seq_len, args.window_prefill_len = 64, 1024, 512
+    sections = set(args.sections.split(","))
     rng = np.random.default_rng(0)
     backends = [b for b in args.backends.split(",") if b]
 
     bandwidth = read_bandwidth(repeat=args.repeat)
     B, L, hkv, hq, d = args.num_seqs, args.seq_len, 8, 32, 128
     kv_bytes = 2 * B * L * hkv * d * 4
-    print(f"# decode: {B} seqs x {L} tokens, {hkv} KV heads, {hq} query heads, head_dim {d}, "
-          f"page 16 (K+V {kv_bytes / 2**20:.0f} MiB in float32)")
-    print(f"machine streaming read bandwidth: {bandwidth / 1e9:.2f} GB/s\n")
+    print(f"machine streaming read bandwidth: {bandwidth / 1e9:.2f} GB/s")
+    if "decode" in sections:
+        print(f"\n# decode: {B} seqs x {L} tokens, {hkv} KV heads, {hq} query heads, "
+              f"head_dim {d}, page 16 (K+V {kv_bytes / 2**20:.0f} MiB in float32)")
+        decode_section(backends, args, rng, bandwidth)
+    if "variants" in sections:
+        print(f"\n# variants: float16, {hkv} KV heads, {hq} query heads, head_dim {d}, page 16")
+        rows = []
+        for backend in backends:
+            rows += variant_rows(backend, args, rng)
+        print(fmt_table(["variant", "ms", "ratio", "ratio to"], rows))
+    if "prefill" in sections:
+        prefill_section(backends, args, rng)
+    return 0
 
+
+def decode_section(backends, args, rng, bandwidth):
+    B, L, hkv, hq, d = args.num_seqs, args.seq_len, 8, 32, 128
+    kv_bytes = 2 * B * L * hkv * d * 4
     header = ["decode attention", "ms", "KV GB/s", "x read bandwidth"]
     rows, contiguous = [], None
     f16_ratio = {}
@@ -161,35 +272,34 @@ def main():
     if host_t:
         print(f"host paged decode vs numpy contiguous: {numpy_t / host_t:.1f}x faster")
 
-    # prefill: one causal sequence, against contiguous torch SDPA / numpy
-    n = args.prefill_len
+
+def prefill_section(backends, args, rng):
+    """One causal sequence, against contiguous torch SDPA and the machine's sgemm rate."""
+    n, hkv, hq, d = args.prefill_len, 8, 32, 128
+    sgemm = sgemm_rate(rng)
     print(f"\n# prefill: one sequence of {n} tokens, causal, {hkv} KV heads, {hq} query heads, "
-          f"head_dim {d}")
+          f"head_dim {d}; sgemm ({'torch.mm' if torch is not None else 'numpy'}) "
+          f"{sgemm / 1e9:.1f} GFLOP/s")
     q = rng.standard_normal((n, hq, d), dtype=np.float32)
     k = rng.standard_normal((n, hkv, d), dtype=np.float32)
     flops = 4 * n * n / 2 * hq * d                      # QK^T and PV, causal half
-    rows = []
+    rows, times = [], {}
     for backend in backends:
         cache = pagedkv.PagedKVCache(1, hkv, d, num_pages=-(-n // 16), backend=backend)
         s = cache.add_sequence()
-
-        def prefill():
-            batch = cache.append([s], n)
-            cache.store(0, batch, k, k)
-            out = cache.attention(0, batch, q)
-            cache.truncate(s, 0)
-            return out
-
-        t = best_seconds(prefill, repeat=max(2, args.repeat // 2), warmup=1)
-        rows.append([f"{backend} paged", f"{t * 1e3:.1f}", f"{flops / t / 1e9:.1f}"])
+        t = best_seconds(prefill_step(cache, s, q, k), repeat=max(2, args.repeat // 2), warmup=1)
+        times[backend] = t
+        rows.append([f"{backend} paged", f"{t * 1e3:.1f}", f"{flops / t / 1e9:.1f}",
+                     f"{flops / t / sgemm:.2f}"])
     if torch is not None:
         tq = torch.from_numpy(q.transpose(1, 0, 2).copy())[None]
         tk = torch.from_numpy(k.transpose(1, 0, 2).copy())[None]
         t = best_seconds(lambda: torch_sdpa(tq, tk, tk, True), repeat=max(2, args.repeat // 2))
         rows.append([f"torch {torch.__version__} SDPA contiguous", f"{t * 1e3:.1f}",
-                     f"{flops / t / 1e9:.1f}"])
-    print(fmt_table(["prefill attention", "ms", "GFLOP/s"], rows))
-    return 0
+                     f"{flops / t / 1e9:.1f}", f"{flops / t / sgemm:.2f}"])
+        for backend, bt in times.items():
+            rows.append([f"  {backend} speed / torch SDPA", f"{t / bt:.2f}x", "", ""])
+    print(fmt_table(["prefill attention", "ms", "GFLOP/s", "x sgemm rate"], rows))
 
 
 if __name__ == "__main__":

@@ -15,7 +15,9 @@ except ImportError as exc:  # pragma: no cover - depends on how Python was start
         f"another directory, or build in place with `pip install -e .`") from exc
 
 from pagedkv.backends import available_backends
-from pagedkv.cache import Checkpoint, PagedKVCache, StepBatch
+from pagedkv.cache import PagedKVCache
+from pagedkv.checkpoint import Checkpoint
+from pagedkv.step import StepBatch
 from pagedkv.errors import (ArgumentTypeError, BackendUnavailableError, OutOfPagesError,
                             UnknownSequenceError)
 

@@ -8,10 +8,14 @@ want: the slot mapping (vLLM), the CSR page table (FlashInfer, TVM) and the
 padded block table.
 
 With prefix caching, a sequence also keeps its token ids and the hash chain
-of its full pages (``hash(parent page's hash, page's token ids)``); a page is
-entered in the allocator's prefix index when it becomes full, and
+of its full pages (``hash(parent page's hash, page's token ids)``).  A page
+that a step fills is entered in the allocator's prefix index only once that
+step's K/V is stored in every layer (``commit_pending``): a step abandoned
+before that (another append, a truncate, a free) leaves nothing reusable.
 ``add(token_ids)`` starts a sequence on the longest cached chain of its prompt.
 """
+import numbers
+
 import numpy as np
 cimport numpy as cnp
 from libc.stdint cimport int32_t, int64_t, uint64_t
@@ -39,6 +43,12 @@ cdef extern from *:
         std::vector<int32_t> tokens;
         std::vector<uint64_t> hashes;
     };
+    // a page a step filled, waiting for its K/V to be stored before it is cached
+    struct PkvPendingPage {
+        int64_t seq_id;
+        int64_t index;            // position of the page in the sequence's list
+        uint64_t hash;
+    };
     """
     cdef cppclass PkvSequence:
         PkvSequence() except +
@@ -47,6 +57,10 @@ cdef extern from *:
         int64_t last_step
         vector[int32_t] tokens
         vector[uint64_t] hashes
+    cdef cppclass PkvPendingPage:
+        int64_t seq_id
+        int64_t index
+        uint64_t hash
 
 cdef extern from "pkv_hash.h" nogil:
     uint64_t pkv_hash_page(uint64_t parent_hash, const int32_t* tokens, int n)
@@ -85,6 +99,7 @@ cdef class PageTables:
     cdef bint caching
     cdef object hash_fn
     cdef unordered_map[int64_t, PkvSequence] seqs
+    cdef vector[PkvPendingPage] pending     # pages the last step filled, not yet cached
     cdef int64_t next_id
     cdef int64_t num_steps
     cdef readonly int64_t num_prompt_tokens    # passed to add(token_ids=...)
@@ -104,6 +119,9 @@ cdef class PageTables:
         if self.hash_fn is None:
             return pkv_hash_page(parent_hash, tokens, self.page_size)
         value = self.hash_fn(parent_hash, tuple([tokens[i] for i in range(self.page_size)]))
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise TypeError(f"prefix_hash: expected it to return an int, got "
+                            f"{type(value).__name__} {value!r}"[:200])
         return <uint64_t>(int(value) & 0xFFFFFFFFFFFFFFFF)
 
     cdef PkvSequence* find(self, seq_id) except NULL:
@@ -131,14 +149,20 @@ cdef class PageTables:
         """
         cdef PkvSequence seq
         cdef int32_t[::1] prompt
-        cdef int64_t j, ps = self.page_size
+        cdef int64_t j, num_full, ps = self.page_size
         cdef int64_t parent_entry = ROOT_ENTRY
         cdef uint64_t h = ROOT_HASH
+        cdef vector[uint64_t] chain
         cdef int32_t page
         if self.caching and token_ids is not None:
             prompt = token_ids
-            for j in range((prompt.shape[0] - 1) // ps if prompt.shape[0] else 0):
+            num_full = (prompt.shape[0] - 1) // ps if prompt.shape[0] else 0
+            # hash first: a user hash function may raise, and nothing is held yet
+            for j in range(num_full):
                 h = self.page_hash(h, &prompt[j * ps])
+                chain.push_back(h)
+            for j in range(num_full):
+                h = chain[j]
                 page = self.allocator.lookup(h, parent_entry, &prompt[j * ps])
                 if page < 0:
                     break
@@ -169,11 +193,13 @@ cdef class PageTables:
     def free(self, seq_id):
         """Drop the sequence; its pages go back to the pool once no one shares them."""
         cdef PkvSequence* seq = self.find(seq_id)
+        self.pending.clear()
         release_pages(self.allocator, seq, 0)
         self.seqs.erase(<int64_t>seq_id)
 
     def clear(self):
         """Free every sequence."""
+        self.pending.clear()
         for kv in self.seqs:
             release_pages(self.allocator, &kv.second, 0)
         self.seqs.clear()
@@ -229,6 +255,7 @@ cdef class PageTables:
         cdef PkvSequence* seq = self.find(seq_id)
         if not 0 <= new_len <= seq.length:
             raise ValueError(f"new_len: expected 0 <= new_len <= seq_len={seq.length}, got {new_len}")
+        self.pending.clear()
         release_pages(self.allocator, seq, pages_for(new_len, self.page_size))
         seq.length = new_len
         if <int64_t>seq.tokens.size() > new_len:
@@ -374,6 +401,7 @@ cdef class PageTables:
         cdef int32_t page
         cdef size_t n_pages
         copies_of.clear()
+        self.pending.clear()     # the previous step's pages, if still pending, are abandoned
 
         # Pass 2: commit (cannot fail) and fill the tables.
         with nogil:
@@ -396,7 +424,7 @@ cdef class PageTables:
                     if counts[b] > 0:   # (row may be one past the end of tokens otherwise)
                         seq.tokens.insert(seq.tokens.end(), &tokens[row],
                                           &tokens[row] + counts[b])
-                    self.cache_full_pages(seq, hashes[b])
+                    self.record_full_pages(ids[b], seq, hashes[b])
                 for pos in range(seq.length, new_len):
                     slot_mapping[row] = <int64_t>seq.pages[pos // ps] * ps + pos % ps
                     row += 1
@@ -411,18 +439,49 @@ cdef class PageTables:
                 last_page_len[b] = <int32_t>(new_len - (<int64_t>n_pages - 1) * ps) if n_pages else 0
         return out
 
-    cdef void cache_full_pages(self, PkvSequence* seq, vector[uint64_t]& new_hashes) noexcept nogil:
-        """Enter the sequence's newly full pages in the prefix index, in chain order.
-
-        A page joins only if its parent page is cached: the chain is what a
-        later prompt is matched against.
-        """
-        cdef size_t i, j
-        cdef int64_t parent_entry
+    cdef void record_full_pages(self, int64_t seq_id, PkvSequence* seq,
+                                vector[uint64_t]& new_hashes) noexcept nogil:
+        """Extend the sequence's hash chain by the pages this step fills, and hold
+        them as pending until ``commit_pending``."""
+        cdef size_t i
+        cdef PkvPendingPage entry
         for i in range(new_hashes.size()):
-            j = seq.hashes.size()
+            entry.seq_id = seq_id
+            entry.index = seq.hashes.size()
+            entry.hash = new_hashes[i]
             seq.hashes.push_back(new_hashes[i])
+            self.pending.push_back(entry)
+
+    def commit_pending(self):
+        """Enter the last step's filled pages in the prefix index, in chain order.
+
+        Call once the step's K/V is stored in every layer.  A page joins only
+        if its parent page is cached: the chain is what a later prompt is
+        matched against.  Returns how many pages joined.
+        """
+        cdef size_t i
+        cdef int64_t parent_entry, j
+        cdef int joined = 0
+        cdef PkvSequence* seq
+        for i in range(self.pending.size()):
+            it = self.seqs.find(self.pending[i].seq_id)
+            if it == self.seqs.end():
+                continue
+            seq = &deref(it).second
+            j = self.pending[i].index
+            if j >= <int64_t>seq.pages.size() or j >= <int64_t>seq.hashes.size() or \
+                    seq.hashes[j] != self.pending[i].hash or \
+                    (j + 1) * self.page_size > <int64_t>seq.tokens.size():
+                continue
             parent_entry = ROOT_ENTRY if j == 0 else self.allocator.entry_of(seq.pages[j - 1])
-            if parent_entry != 0:
-                self.allocator.cache_page(seq.pages[j], new_hashes[i], parent_entry,
-                                          &seq.tokens[j * self.page_size])
+            if parent_entry != 0 and self.allocator.cache_page(
+                    seq.pages[j], self.pending[i].hash, parent_entry,
+                    &seq.tokens[j * self.page_size]):
+                joined += 1
+        self.pending.clear()
+        return joined
+
+    @property
+    def num_pending(self):
+        """Pages the last step filled that wait for ``commit_pending``."""
+        return self.pending.size()

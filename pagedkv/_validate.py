@@ -3,7 +3,8 @@ import numbers
 
 import numpy as np
 
-from pagedkv.errors import ArgumentTypeError
+from pagedkv._arrays import to_numpy
+from pagedkv.errors import ArgumentTypeError, UnknownSequenceError
 
 
 def check_int(name, value, *, minimum=None, maximum=None):
@@ -19,8 +20,19 @@ def check_int(name, value, *, minimum=None, maximum=None):
 
 
 def check_int_vector(name, value, *, length=None, minimum=None):
-    """``value`` (int or sequence of ints) as an int64 ndarray of shape [length]."""
-    arr = np.asarray(value)
+    """``value`` (int or sequence of ints) as a new int64 ndarray of shape [length].
+
+    The result is always a private copy: later changes to the caller's array
+    (from a callback, or another thread) cannot reach what was validated.
+    """
+    if not isinstance(value, np.ndarray) and isinstance(value, (list, tuple)) and \
+            any(isinstance(x, (bool, np.bool_)) for x in value):
+        raise ArgumentTypeError(f"{name}: expected ints, got a bool in {value!r}"[:200])
+    try:
+        arr = np.asarray(value)
+    except (ValueError, TypeError) as exc:   # ragged nesting, objects numpy cannot hold
+        raise ValueError(f"{name}: expected a 1-D sequence of ints, got {value!r}"[:200]
+                         + f" ({exc})") from None
     if arr.ndim == 0 and length is not None:
         arr = np.full(length, arr)
     if arr.ndim != 1:
@@ -33,17 +45,28 @@ def check_int_vector(name, value, *, length=None, minimum=None):
         raise ValueError(f"{name}: expected every entry >= {minimum}, got {int(arr.min())}")
     if arr.dtype.kind == "u" and arr.size and arr.max() > np.iinfo(np.int64).max:
         raise ValueError(f"{name}: entry {int(arr.max())} does not fit in int64")
-    return np.ascontiguousarray(arr, dtype=np.int64)
+    return np.array(arr, dtype=np.int64, order="C")
 
 
-def check_tensor(name, x, shape, *, array_types=(np.ndarray,)):
-    """Check that ``x`` is a float array of exactly ``shape``; return it unchanged.
+def check_seq_id(name, value):
+    """A sequence id as an int; anything else is an UnknownSequenceError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise UnknownSequenceError(f"{name}: expected an int sequence id, got "
+                                   f"{type(value).__name__} {value!r}"[:200])
+    return int(value)
 
+
+def check_tensor(name, x, shape, *, native_types=()):
+    """``x`` as the array the kernels will read, checked to be floats of exactly ``shape``.
+
+    ``x`` may be one of ``native_types`` (the backend's device arrays, kept as
+    they are) or anything :func:`pagedkv._arrays.to_numpy` takes (numpy,
+    torch CPU tensors, CPU ``__dlpack__`` objects), which becomes an ndarray
+    first: the checks apply to that buffer, not to the object's own claims.
     ``shape`` entries are ints, or ``None`` for "any size".
     """
-    if not isinstance(x, array_types):
-        kinds = " or ".join(f"{t.__module__.split('.')[0]}.{t.__name__}" for t in array_types)
-        raise ArgumentTypeError(f"{name}: expected {kinds}, got {type(x).__name__}")
+    if not isinstance(x, native_types):
+        x = to_numpy(name, x)
     got = tuple(x.shape)
     if len(got) != len(shape) or any(e is not None and e != g for e, g in zip(shape, got)):
         want = "[" + ", ".join("*" if e is None else str(e) for e in shape) + "]"

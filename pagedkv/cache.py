@@ -9,19 +9,27 @@ keeps the two in step.  A typical engine step::
         cache.store(layer, batch, k, v)
         out = cache.attention(layer, batch, q)
 """
-from dataclasses import dataclass
+import sys
 
 import numpy as np
 
 from pagedkv._allocator import PageAllocator
+from pagedkv._arrays import is_torch_tensor, to_numpy
+from pagedkv._exclusive import Guard, exclusive
+from pagedkv._memory import check_fits
 from pagedkv._page_table import PageTables
+from pagedkv._validate import check_int, check_int_vector, check_seq_id, check_tensor
 from pagedkv.attention_spec import AttentionSpec
-from pagedkv._validate import check_int, check_int_vector, check_tensor
 from pagedkv.backends import backend_class, resolve_backend
-from pagedkv.backends.base import StepTables
+from pagedkv.checkpoint import Checkpoint, CheckpointBook
 from pagedkv.errors import ArgumentTypeError
+from pagedkv.step import StepBatch
 
 _DTYPES = {"float32": np.float32, "float16": np.float16}
+# What the page allocator keeps per page (ref count, free-queue links, hash,
+# cache entries) and, with prefix caching, per cached token.
+_ALLOCATOR_BYTES_PER_PAGE = 3 * 4 + 3 * 8
+_ALLOCATOR_BYTES_PER_CACHED_TOKEN = 4
 
 
 def _check_token_ids(name, token_ids, length=None):
@@ -33,71 +41,6 @@ def _check_token_ids(name, token_ids, length=None):
     if len(tokens) and tokens.max() >= 2**31:
         raise ValueError(f"{name}: token id {int(tokens.max())} does not fit in int32")
     return tokens.astype(np.int32)
-
-
-@dataclass(frozen=True)
-class Checkpoint:
-    """A sequence's length at some moment; ``restore`` rolls back to it.
-
-    It keeps no pages alive: tokens past ``seq_len`` may be released meanwhile.
-    """
-    seq_id: int
-    seq_len: int
-
-
-class StepBatch:
-    """The slots and page tables of one ``append`` step (all host numpy arrays).
-
-    Attributes
-    ----------
-    seq_ids : ndarray, shape [B], int64
-        The sequences, in the order given to ``append``.
-    query_start : ndarray, shape [B+1], int32
-        New tokens of sequence ``b`` are rows ``query_start[b]:query_start[b+1]``.
-    seq_lens : ndarray, shape [B], int32
-        Lengths after this step.
-    slot_mapping : ndarray, shape [total_new], int64
-        ``page * page_size + offset`` of each new token.
-    page_indptr : ndarray, shape [B+1], int32
-    page_indices : ndarray, shape [nnz], int32
-    last_page_len : ndarray, shape [B], int32
-        CSR page table (FlashInfer / TVM layout).
-    block_table : ndarray, shape [B, max_pages], int32
-        Padded page table (vLLM layout), ``-1`` past each sequence's pages.
-
-    A batch is valid until the cache's pages next change (``append``,
-    ``truncate``, ``restore``, ``free``, ``clear``): store every layer of a
-    step before the next of those calls.
-    """
-
-    def __init__(self, cache, generation, seq_ids, t):
-        self.seq_ids = seq_ids
-        self.query_start = t["query_start"]
-        self.seq_lens = t["seq_lens"]
-        self.slot_mapping = t["slot_mapping"]
-        self.page_indptr = t["page_indptr"]
-        self.page_indices = t["page_indices"]
-        self.last_page_len = t["last_page_len"]
-        self.block_table = t["block_table"]
-        self._cache = cache
-        self._generation = generation
-        self._stored_layers = set()
-        self._fills_cache = False       # did this step enter pages in the prefix cache?
-        self._tables = StepTables(self.query_start, self.seq_lens, self.slot_mapping,
-                                  self.page_indptr, self.page_indices)
-
-    @property
-    def num_seqs(self):
-        """B, the sequences in the step."""
-        return len(self.seq_ids)
-
-    @property
-    def num_tokens(self):
-        """total_new, the new tokens of the step."""
-        return len(self.slot_mapping)
-
-    def __repr__(self):
-        return f"StepBatch(num_seqs={self.num_seqs}, num_tokens={self.num_tokens})"
 
 
 class PagedKVCache:
@@ -134,17 +77,34 @@ class PagedKVCache:
         attributes of its kernel layout (``KernelLayout``), e.g. the shape a
         GPU gets, on any device.  host: none.
 
+    Raises
+    ------
+    ValueError
+        A bad argument (the message names it).
+    MemoryError
+        The pools and their bookkeeping need more memory than this machine
+        (physical memory, a container limit or ``ulimit -v``) or the OpenCL
+        device has; nothing is allocated.
+
     Notes
     -----
-    With prefix caching, pages join the cache when ``append`` fills them,
-    before their K/V is stored: store every layer of a step before adding
-    sequences with ``token_ids``, or they could reuse pages not yet written.
-    ``add_sequence`` refuses to run while such a step is incomplete.
+    With prefix caching, the pages a step fills join the prefix cache once
+    that step's K/V is stored in every layer; a step abandoned before (the
+    engine truncates, frees or appends again) leaves nothing reusable.
+
+    Threads: every method runs under the cache's lock, so threads may share a
+    cache; the kernels run without the GIL meanwhile.  A call on the cache
+    from inside one of its callbacks (``prefix_hash``) raises
+    ``RuntimeError``.  After ``os.fork()``, a host cache works in the child
+    (single-threaded kernels); an opencl cache raises ``RuntimeError`` there:
+    create caches in the child, or use the ``"spawn"`` start method.  A cache
+    cannot be copied or pickled.
     """
 
     def __init__(self, num_layers, num_kv_heads, head_dim, *, num_pages, page_size=16,
                  dtype="float32", max_seq_len=None, backend="auto", device=None,
                  enable_prefix_caching=False, prefix_hash=None, backend_options=None):
+        self._guard = Guard()
         self.num_layers = check_int("num_layers", num_layers, minimum=1)
         self.num_kv_heads = check_int("num_kv_heads", num_kv_heads, minimum=1)
         self.head_dim = check_int("head_dim", head_dim, minimum=1)
@@ -158,21 +118,42 @@ class PagedKVCache:
             check_int("max_seq_len", max_seq_len, minimum=1, maximum=2**31 - 1)
         if not isinstance(backend, str):
             raise ArgumentTypeError(f"backend: expected a str, got {type(backend).__name__}")
-        self.backend = resolve_backend(backend)
-        self._backend = backend_class(self.backend)(
-            num_layers=self.num_layers, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
-            num_pages=num_pages, page_size=self.page_size, dtype=self.dtype, device=device,
-            options=backend_options)
         if not isinstance(enable_prefix_caching, bool):
             raise ArgumentTypeError(f"enable_prefix_caching: expected a bool, "
                                     f"got {enable_prefix_caching!r}")
         if prefix_hash is not None and not callable(prefix_hash):
             raise ArgumentTypeError(f"prefix_hash: expected a callable, got {prefix_hash!r}")
+        if backend_options is not None and not isinstance(backend_options, dict):
+            raise ArgumentTypeError(f"backend_options: expected a dict, got "
+                                    f"{type(backend_options).__name__}")
+        pool_bytes = 2 * self.num_layers * num_pages * self.num_kv_heads * self.page_size \
+            * self.head_dim * self.dtype.itemsize
+        bookkeeping = num_pages * (_ALLOCATOR_BYTES_PER_PAGE + enable_prefix_caching
+                                   * self.page_size * _ALLOCATOR_BYTES_PER_CACHED_TOKEN)
+        check_fits(pool_bytes + bookkeeping,
+                   f"num_pages: {num_pages} pages of {self.num_layers} layers")
+        self.backend = resolve_backend(backend)
+        self._backend = backend_class(self.backend)(
+            num_layers=self.num_layers, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+            num_pages=num_pages, page_size=self.page_size, dtype=self.dtype, device=device,
+            options=backend_options)
         self.prefix_caching = enable_prefix_caching
         self._allocator = PageAllocator(num_pages, self.page_size, enable_prefix_caching)
         self._tables = PageTables(self._allocator, prefix_hash)
+        self._checkpoints = CheckpointBook(self)
         self._generation = 0
         self._last_batch = None
+
+    def __copy__(self):
+        raise TypeError("PagedKVCache cannot be copied: two facades over one page table "
+                        "would hand out conflicting pages; fork() sequences instead")
+
+    def __deepcopy__(self, memo):
+        self.__copy__()
+
+    def __reduce__(self):
+        raise TypeError("PagedKVCache cannot be pickled: its pools live in this process "
+                        "(or on its OpenCL device)")
 
     @staticmethod
     def _check_dtype(dtype):
@@ -186,11 +167,13 @@ class PagedKVCache:
 
     # -- pool ----------------------------------------------------------------------
     @property
+    @exclusive
     def num_pages(self):
         """Pages in the pool."""
         return self._allocator.num_pages
 
     @property
+    @exclusive
     def num_free_pages(self):
         """Pages an ``append`` can take now."""
         return self._allocator.num_free
@@ -200,6 +183,7 @@ class PagedKVCache:
         """Bytes of K/V page storage (all layers, K and V)."""
         return self._backend.memory_bytes
 
+    @exclusive
     def page_count(self, seq_id):
         """Pages the sequence holds (shared ones included)."""
         return len(self._tables.pages(seq_id))
@@ -208,16 +192,19 @@ class PagedKVCache:
         """Tokens the sequence's pages can hold: ``page_count * page_size``."""
         return self.page_count(seq_id) * self.page_size
 
+    @exclusive
     def page_ids(self, seq_id):
         """The sequence's page ids in order; ndarray, shape [page_count], int32."""
         return self._tables.pages(seq_id)
 
+    @exclusive
     def refcount(self, page_id):
         """How many sequences hold page ``page_id`` (0 = free)."""
-        page_id = check_int("page_id", page_id, minimum=0, maximum=self.num_pages - 1)
+        page_id = check_int("page_id", page_id, minimum=0, maximum=self._allocator.num_pages - 1)
         return self._allocator.refcount(page_id)
 
     # -- sequences -------------------------------------------------------------
+    @exclusive
     def add_sequence(self, token_ids=None):
         """Create a sequence; return its id (ids are never reused).
 
@@ -229,48 +216,61 @@ class PagedKVCache:
             token, whose logits the engine needs); ``seq_len`` then tells how
             many tokens already have K/V, and the engine appends the rest.
             Without prefix caching it is accepted and ignored.
+
+        Raises
+        ------
+        TypeError
+            ``prefix_hash`` returned something other than an int; nothing changed.
         """
         if token_ids is None:
             return self._tables.add()
         tokens = _check_token_ids("token_ids", token_ids)
-        if not self.prefix_caching:
-            return self._tables.add()
-        last = self._last_batch
-        if last is not None and last._fills_cache and last._generation == self._generation \
-                and len(last._stored_layers) < self.num_layers:
-            raise ValueError("token_ids: the current step filled pages that joined the prefix "
-                             "cache but not every layer was stored; store all layers of the "
-                             "step before adding sequences")
-        return self._tables.add(tokens)
+        return self._tables.add(tokens if self.prefix_caching else None)
 
+    @exclusive
     def fork(self, seq_id):
         """A new sequence sharing every page of ``seq_id``; copies happen on divergent writes."""
         return self._tables.fork(seq_id)
 
+    @exclusive
     def free(self, seq_id):
         """Drop the sequence; its pages return to the pool once no sequence uses them."""
         self._tables.free(seq_id)
+        self._checkpoints.forget(seq_id)
         self._generation += 1
 
+    @exclusive
     def seq_len(self, seq_id):
         """Tokens stored in the sequence."""
         return self._tables.seq_len(seq_id)
 
+    @exclusive
     def seq_ids(self):
         """Ids of the live sequences, ascending."""
         return self._tables.ids()
 
+    @exclusive
     def truncate(self, seq_id, new_len):
-        """Roll the sequence back to its first ``new_len`` tokens; pages past them are released."""
-        length = self.seq_len(seq_id)
+        """Roll the sequence back to its first ``new_len`` tokens; pages past them are released.
+
+        Checkpoints of the sequence beyond ``new_len`` become void.
+        """
+        self._truncate(seq_id, new_len)
+
+    def _truncate(self, seq_id, new_len):
+        length = self._tables.seq_len(seq_id)
         new_len = check_int("new_len", new_len, minimum=0, maximum=length)
         self._tables.truncate(seq_id, new_len)
+        self._checkpoints.truncated(int(seq_id), new_len)
         self._generation += 1
 
+    @exclusive
     def checkpoint(self, seq_id):
         """Record the sequence's length for a later ``restore`` (keeps no pages alive)."""
-        return Checkpoint(int(seq_id), self.seq_len(seq_id))
+        seq_id = check_seq_id("seq_id", seq_id)
+        return self._checkpoints.make(seq_id, self._tables.seq_len(seq_id))
 
+    @exclusive
     def restore(self, checkpoint):
         """Truncate the checkpoint's sequence back to the checkpointed length.
 
@@ -279,25 +279,33 @@ class PagedKVCache:
         UnknownSequenceError
             The sequence was freed.
         ValueError
-            The sequence is now shorter than the checkpoint (truncated below it).
+            The checkpoint is another cache's, or the sequence was truncated
+            below it since (even if it grew past it again: its tokens there
+            are no longer the checkpoint's).  Nothing changed.
         """
         if not isinstance(checkpoint, Checkpoint):
             raise ArgumentTypeError(
                 f"checkpoint: expected a Checkpoint from cache.checkpoint(), "
                 f"got {type(checkpoint).__name__}")
-        length = self.seq_len(checkpoint.seq_id)
-        if checkpoint.seq_len > length:
+        self._checkpoints.check_owner(checkpoint)
+        length = self._tables.seq_len(checkpoint.seq_id)     # a freed sequence: unknown
+        self._checkpoints.check_valid(checkpoint)
+        if checkpoint.seq_len > length:   # (a void stamp says this first; kept as a guard)
             raise ValueError(
                 f"checkpoint: sequence {checkpoint.seq_id} has {length} tokens, fewer than the "
                 f"checkpoint's {checkpoint.seq_len}; it was truncated below the checkpoint")
-        self.truncate(checkpoint.seq_id, checkpoint.seq_len)
+        self._truncate(checkpoint.seq_id, checkpoint.seq_len)
 
+    @exclusive
     def clear(self):
         """Free every sequence."""
+        for seq_id in self._tables.ids():
+            self._checkpoints.forget(seq_id)
         self._tables.clear()
         self._generation += 1
 
     # -- one step ------------------------------------------------------------------
+    @exclusive
     def append(self, seq_ids, num_new_tokens, token_ids=None):
         """Reserve slots for this step's new tokens; all or nothing.
 
@@ -309,7 +317,8 @@ class PagedKVCache:
             New tokens per sequence (an int applies to all).
         token_ids : sequence of int, shape [total_new], optional
             The new tokens, flat in ``seq_ids`` order.  With prefix caching,
-            pages they fill join the cache; without it they are ignored.
+            the pages they fill join the cache once the step is stored in
+            every layer; without it they are ignored.
 
         Returns
         -------
@@ -325,14 +334,12 @@ class PagedKVCache:
         counts = check_int_vector("num_new_tokens", num_new_tokens, length=len(ids), minimum=0)
         if token_ids is not None:
             token_ids = _check_token_ids("token_ids", token_ids, length=int(counts.sum()))
-        insertions_before = self._allocator.num_cache_insertions
         t = self._tables.append(ids, counts, self.max_seq_len,
                                 token_ids if self.prefix_caching else None)
         self._generation += 1
         if len(t["copy_src"]):
             self._backend.copy_pages(t["copy_src"], t["copy_dst"])
         batch = StepBatch(self, self._generation, ids, t)
-        batch._fills_cache = self._allocator.num_cache_insertions != insertions_before
         self._backend.prepare_step(batch._tables)
         self._last_batch = batch
         return batch
@@ -347,26 +354,34 @@ class PagedKVCache:
                              "(append, truncate, restore, free or clear); append again")
         return layer
 
-    def _array_types(self):
-        return (np.ndarray,) + tuple(self._backend.array_types)
 
+    @exclusive
     def store(self, layer, batch, k, v):
         """Write the step's new K and V of one layer into their slots.
+
+        Once every layer of the step is stored, the pages it filled join the
+        prefix cache (with prefix caching on).
 
         Parameters
         ----------
         layer : int
         batch : StepBatch
-        k, v : ndarray or backend array, shape [total_new, num_kv_heads, head_dim], float
-            Rounded to the storage dtype.
+        k, v : array, shape [total_new, num_kv_heads, head_dim], float
+            numpy arrays, torch CPU tensors, CPU ``__dlpack__`` objects (float16,
+            bfloat16, float32 or float64, any strides), or the backend's device
+            arrays (opencl: ``pyopencl.array.Array``).  Rounded to the storage dtype.
         """
         layer = self._check_step(layer, batch)
         shape = (batch.num_tokens, self.num_kv_heads, self.head_dim)
-        check_tensor("k", k, shape, array_types=self._array_types())
-        check_tensor("v", v, shape, array_types=self._array_types())
+        native = self._backend.array_types
+        k = check_tensor("k", k, shape, native_types=native)
+        v = check_tensor("v", v, shape, native_types=native)
         self._backend.store(layer, batch._tables, k, v)
         batch._stored_layers.add(layer)
+        if len(batch._stored_layers) == self.num_layers and self._tables.num_pending:
+            self._tables.commit_pending()
 
+    @exclusive
     def attention(self, layer, batch, q, *, scale=None, sliding_window=None,
                   logits_soft_cap=None, sinks=None):
         """Attention of the step's new tokens over their sequences' stored K/V.
@@ -382,8 +397,9 @@ class PagedKVCache:
         layer : int
         batch : StepBatch
             ``store(layer, batch, ...)`` must have run first.
-        q : ndarray or backend array, shape [total_new, num_heads, head_dim], float
-            ``num_heads`` a multiple of ``num_kv_heads`` (GQA/MQA).
+        q : array, shape [total_new, num_heads, head_dim], float
+            ``num_heads`` a multiple of ``num_kv_heads`` (GQA/MQA); the array
+            kinds ``store`` takes.
         scale : float, default ``1/sqrt(head_dim)``
         sliding_window : int >= 1, optional
             ``W``: position ``p`` sees positions ``max(0, p - W + 1) .. p``, its
@@ -400,7 +416,9 @@ class PagedKVCache:
 
         Returns
         -------
-        out : shape [total_new, num_heads, head_dim], float32, the same kind of array as ``q``.
+        out : shape [total_new, num_heads, head_dim], float32
+            A torch tensor when ``q`` is one, a ``pyopencl.array.Array`` when
+            ``q`` is one, else a numpy array.
 
         Raises
         ------
@@ -411,21 +429,28 @@ class PagedKVCache:
             not finite); the message names the argument.  Nothing changes.
         """
         layer = self._check_step(layer, batch)
-        check_tensor("q", q, (batch.num_tokens, None, self.head_dim),
-                     array_types=self._array_types())
+        as_torch = is_torch_tensor(q)
+        q = check_tensor("q", q, (batch.num_tokens, None, self.head_dim),
+                         native_types=self._backend.array_types)
         num_heads = q.shape[1]
         if num_heads == 0 or num_heads % self.num_kv_heads:
             raise ValueError(f"q: expected num_heads a positive multiple of num_kv_heads="
                              f"{self.num_kv_heads}, got {num_heads}")
         spec = AttentionSpec.from_arguments(
             head_dim=self.head_dim, num_heads=num_heads, scale=scale,
-            sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, sinks=sinks)
+            sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, sinks=sinks,
+            as_numpy=lambda x: to_numpy("sinks", x) if is_torch_tensor(x) else x)
         if layer not in batch._stored_layers and batch.num_tokens:
             raise ValueError(f"layer: K/V of layer {layer} were not stored for this step; "
                              f"call store({layer}, batch, k, v) first")
-        return self._backend.attention(layer, batch._tables, q, spec)
+        if not as_torch:
+            return self._backend.attention(layer, batch._tables, q, spec)
+        out = sys.modules["torch"].empty(q.shape, dtype=sys.modules["torch"].float32)
+        self._backend.attention(layer, batch._tables, q, spec, out=out.numpy())
+        return out
 
     # -- prefix cache ------------------------------------------------------------------
+    @exclusive
     def stats(self):
         """Page and prefix-cache counters.
 
@@ -439,7 +464,7 @@ class PagedKVCache:
             ``prefix_hit_rate`` (tokens reused / prompt tokens passed to
             ``add_sequence``), ``num_evictions``.
         """
-        refcounts = self._allocator.refcount(np.arange(self.num_pages))
+        refcounts = self._allocator.refcount(np.arange(self._allocator.num_pages))
         prompt = self._tables.num_prompt_tokens
         return {
             "num_free_pages": self._allocator.num_free,
@@ -450,22 +475,26 @@ class PagedKVCache:
             "num_evictions": int(self._allocator.num_evictions),
         }
 
+    @exclusive
     def reset_prefix_cache(self):
         """Drop every cached page that no sequence uses; return how many."""
         return self._allocator.reset_prefix_cache()
 
     # -- reading back ----------------------------------------------------------------
-    def gather(self, layer, seq_id):
-        """The sequence's K and V of one layer, contiguous.
+    @exclusive
+    def gather(self, layer, seq_id, start=0):
+        """The sequence's K and V of one layer, contiguous, from position ``start`` on.
 
         Returns
         -------
-        k, v : ndarray, shape [seq_len, num_kv_heads, head_dim], float32
+        k, v : ndarray, shape [seq_len - start, num_kv_heads, head_dim], float32
         """
         layer = check_int("layer", layer, minimum=0, maximum=self.num_layers - 1)
-        slots = self._tables.slots(seq_id, 0, self.seq_len(seq_id))
-        return self._backend.gather(layer, slots)
+        length = self._tables.seq_len(seq_id)
+        start = check_int("start", start, minimum=0, maximum=length)
+        return self._backend.gather(layer, self._tables.slots(seq_id, start, length))
 
+    @exclusive
     def read_token(self, layer, seq_id, pos):
         """K and V of one token.
 
@@ -474,12 +503,12 @@ class PagedKVCache:
         k, v : ndarray, shape [num_kv_heads, head_dim], float32
         """
         layer = check_int("layer", layer, minimum=0, maximum=self.num_layers - 1)
-        length = self.seq_len(seq_id)
+        length = self._tables.seq_len(seq_id)
         pos = check_int("pos", pos, minimum=0, maximum=length - 1)
         k, v = self._backend.gather(layer, self._tables.slots(seq_id, pos, pos + 1))
         return k[0], v[0]
 
     def __repr__(self):
         return (f"PagedKVCache(num_layers={self.num_layers}, num_kv_heads={self.num_kv_heads}, "
-                f"head_dim={self.head_dim}, num_pages={self.num_pages}, "
+                f"head_dim={self.head_dim}, num_pages={self._allocator.num_pages}, "
                 f"page_size={self.page_size}, dtype={self.dtype.name!r}, backend={self.backend!r})")

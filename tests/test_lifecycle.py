@@ -144,12 +144,23 @@ def test_random_operations_keep_data_and_pages(backend):
                 pass
         elif op == "truncate":
             s = int(rng.choice(live))
-            checkpoints.append(h.cache.checkpoint(s))
-            h.truncate(s, int(rng.integers(0, h.ref.seq_len(s) + 1)))
+            checkpoints.append([h.cache.checkpoint(s), True])
+            new_len = int(rng.integers(0, h.ref.seq_len(s) + 1))
+            h.truncate(s, new_len)
+            for entry in checkpoints:     # a cut below a checkpoint voids it for good
+                if entry[0].seq_id == s and entry[0].seq_len > new_len:
+                    entry[1] = False
         elif op == "restore" and checkpoints:
-            ck = checkpoints.pop(int(rng.integers(len(checkpoints))))
-            if ck.seq_id in h.ref.k and ck.seq_len <= h.ref.seq_len(ck.seq_id):
-                h.restore(ck)
+            ck, valid = checkpoints.pop(int(rng.integers(len(checkpoints))))
+            if ck.seq_id in h.ref.k:
+                if valid:
+                    h.restore(ck)
+                    for entry in checkpoints:
+                        if entry[0].seq_id == ck.seq_id and entry[0].seq_len > ck.seq_len:
+                            entry[1] = False
+                else:
+                    with pytest.raises(ValueError, match="truncated below"):
+                        h.restore(ck)
         elif op == "free":
             h.free(int(rng.choice(live)))
         if len(h.ref.k) > 8:

@@ -547,7 +547,7 @@ def test_memory_bytes_and_pool_limits(cl_device):
     assert cache.memory_bytes == 2 * 3 * 10 * 2 * 8 * 32 * 2
     device = cache._backend.device
     too_many = device.max_mem_alloc_size // (2 * 8 * 32 * 4) + 1
-    with pytest.raises(ValueError, match="num_pages: .* use fewer pages"):
+    with pytest.raises(MemoryError, match="num_pages: .* use fewer pages"):
         opencl_cache(cl_device, 2, 32, num_pages=too_many, page_size=8)
 
 

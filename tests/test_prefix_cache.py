@@ -104,23 +104,31 @@ class PrefixCacheMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def truncate(self, data):
         s = data.draw(st.sampled_from(self.live()))
-        self.checkpoints.append(self.cache.checkpoint(s))
+        self.checkpoints.append([self.cache.checkpoint(s), True])
         new_len = data.draw(st.integers(0, len(self.tokens_of(s))))
         self.cache.truncate(s, new_len)
         self.model.truncate(s, new_len)
+        self._void_checkpoints_beyond(s, new_len)
+
+    def _void_checkpoints_beyond(self, s, new_len):
+        """A cut below a checkpoint voids it for good (even if the sequence regrows)."""
+        for entry in self.checkpoints:
+            if entry[0].seq_id == s and entry[0].seq_len > new_len:
+                entry[1] = False
 
     @precondition(lambda self: self.checkpoints)
     @rule(data=st.data())
     def restore(self, data):
-        ck = self.checkpoints.pop(data.draw(st.integers(0, len(self.checkpoints) - 1)))
+        ck, valid = self.checkpoints.pop(data.draw(st.integers(0, len(self.checkpoints) - 1)))
         if ck.seq_id not in self.model.seqs:
             with pytest.raises(pagedkv.UnknownSequenceError):
                 self.cache.restore(ck)
-        elif ck.seq_len > len(self.tokens_of(ck.seq_id)):
-            with pytest.raises(ValueError):
+        elif not valid:
+            with pytest.raises(ValueError, match="truncated below"):
                 self.cache.restore(ck)
         else:
             self.cache.restore(ck)
+            self._void_checkpoints_beyond(ck.seq_id, ck.seq_len)
             self.model.truncate(ck.seq_id, ck.seq_len)
 
     @precondition(lambda self: self.model.seqs)
@@ -309,15 +317,38 @@ def test_attention_same_with_caching_on_and_off(backend):
     np.testing.assert_allclose(outs[True], outs[False], rtol=2e-5, atol=2e-5)
 
 
-def test_add_sequence_refuses_while_step_incomplete(backend):
+def test_pages_join_the_cache_only_once_every_layer_is_stored(backend):
     cache = make(backend, page_size=2)
     s = cache.add_sequence(token_ids=[1, 2, 3])
-    batch = cache.append([s], 3, token_ids=[1, 2, 3])   # fills a page: it joins the cache
+    batch = cache.append([s], 3, token_ids=[1, 2, 3])   # fills a page
     cache.store(0, batch, *prefix_kv([1, 2, 3], 0))
-    with pytest.raises(ValueError, match="store all layers"):
-        cache.add_sequence(token_ids=[1, 2, 7])
+    early = cache.add_sequence(token_ids=[1, 2, 7])     # layer 1 not stored yet: no hit
+    assert cache.seq_len(early) == 0
     cache.store(1, batch, *prefix_kv([1, 2, 3], 1))
     assert cache.seq_len(cache.add_sequence(token_ids=[1, 2, 7])) == 2
+
+
+@pytest.mark.parametrize("abandon", ["truncate", "free", "append again", "restore"])
+def test_an_abandoned_step_leaves_nothing_reusable(backend, abandon):
+    """The engine's forward pass fails after some layers, and it rolls back or moves on:
+    the pages the step filled never hold K/V of every layer, so no prompt may hit them."""
+    cache = make(backend, page_size=2)
+    other = cache.add_sequence()
+    s = cache.add_sequence(token_ids=[1, 2, 3, 4, 5])
+    checkpoint = cache.checkpoint(s)
+    batch = cache.append([s], 5, token_ids=[1, 2, 3, 4, 5])
+    cache.store(0, batch, *prefix_kv([1, 2, 3, 4, 5], 0))        # layer 1 never stored
+    if abandon == "truncate":
+        cache.truncate(s, 0)
+    elif abandon == "free":
+        cache.free(s)
+    elif abandon == "restore":
+        cache.restore(checkpoint)
+    else:
+        cache.append([other], 1)
+    assert cache.stats()["num_cached_pages"] == 0
+    probe = cache.add_sequence(token_ids=[1, 2, 3, 4, 5, 6])
+    assert cache.seq_len(probe) == 0
 
 
 def test_token_ids_validation(backend):

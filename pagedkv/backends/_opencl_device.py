@@ -31,6 +31,25 @@ _UNSET = object()
 _unavailable = _UNSET          # cached answer of unavailable_reason()
 _preferred = _UNSET            # cached: is any device a GPU or accelerator?
 _contexts = {}                 # Device -> Context, so that every cache on a device shares programs
+_driver_started = False        # has this process asked the OpenCL drivers anything?
+
+FORKED_CHILD_REASON = (
+    "this process was fork()ed from one that had already started its OpenCL driver, and "
+    "OpenCL drivers (PoCL among them) hang in such a child; create OpenCL caches only in "
+    "processes that have not inherited a started driver, e.g. with multiprocessing's "
+    "\"spawn\" start method (multiprocessing.set_start_method(\"spawn\"))")
+
+
+def _after_fork_in_child():
+    global _unavailable, _preferred
+    _contexts.clear()
+    if _driver_started:
+        _unavailable = FORKED_CHILD_REASON
+        _preferred = False
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def unavailable_reason():
@@ -67,7 +86,8 @@ def has_preferred_device():
 def reset_availability_cache():
     """Forget the cached answers above (for tests that fake a driver)."""
     global _unavailable, _preferred
-    _unavailable = _preferred = _UNSET
+    if _unavailable is not FORKED_CHILD_REASON:
+        _unavailable = _preferred = _UNSET
 
 
 def _probe():
@@ -86,6 +106,8 @@ def _probe():
 
 def _all_devices(cl):
     """[(platform_index, device_index, Device)] over every platform."""
+    global _driver_started
+    _driver_started = True
     found = []
     for p, platform in enumerate(cl.get_platforms()):
         try:

@@ -95,6 +95,12 @@ class KernelLayout:
         while self.max_queries > self.query_tile and \
                 self.max_queries * head_dim > acc_floats * self.work_group_size:
             self.max_queries //= 2
+        if self.max_queries * head_dim > acc_floats * self.work_group_size:
+            # even the smallest tile would not fit: a work-item's accumulators
+            # would overflow its private memory (its stack, on a CPU driver)
+            largest = acc_floats * self.work_group_size // self.max_queries
+            raise ValueError(f"head_dim: the OpenCL attention kernel holds at most {largest} "
+                             f"values per head on {device.name.strip()}, got {head_dim}")
         # Local memory: shrink the chunk (down to 8 keys while staging), then
         # the queries; give up staging last.
         budget = device.local_mem_size // 2

@@ -6,7 +6,7 @@ backend may assume well-formed input:
 * pools: per layer, K and V, ``[num_pages, num_kv_heads, page_size, head_dim]``;
 * ``k``, ``v``: ``[total_new, num_kv_heads, head_dim]``, ``q``:
   ``[total_new, num_heads, head_dim]`` with ``num_heads % num_kv_heads == 0``,
-  each a float numpy array or an array native to the backend;
+  each a float numpy array (any strides) or one of ``array_types``;
 * ``spec``: a validated :class:`pagedkv.attention_spec.AttentionSpec`;
 * page ids, slots and tables: produced by :class:`pagedkv._page_table.PageTables`.
 """
@@ -61,7 +61,7 @@ class Backend:
 
     name = None
 
-    #: Array types besides numpy that ``store`` and ``attention`` accept.
+    #: The backend's own array types that ``store`` and ``attention`` take as they are.
     array_types = ()
 
     @classmethod
@@ -95,9 +95,12 @@ class Backend:
         """Write ``k``, ``v`` [total_new, num_kv_heads, head_dim] at the step's slots (-1 skips)."""
         raise NotImplementedError
 
-    def attention(self, layer, tables, q, spec):
+    def attention(self, layer, tables, q, spec, out=None):
         """Paged attention of the variant ``spec``; ``q`` [total_new, num_heads, head_dim]
-        -> float32, same shape and same kind (numpy or native) as ``q``."""
+        -> float32, same shape and same kind (numpy or native) as ``q``.
+
+        ``out`` (numpy, float32, C-contiguous, ``q``'s shape; only with numpy
+        ``q``) receives the result and is returned."""
         raise NotImplementedError
 
     def gather(self, layer, slots):

@@ -40,8 +40,28 @@ def _max_threads():
         return cores
 
 
+# libgomp is not fork-safe: a child forked after the parent ran a parallel
+# region hangs in its first one.  Kernels in such a child run on one thread
+# (a region of one thread starts no team).
+_in_forked_child = False
+
+
+def _forked():
+    global _in_forked_child
+    _in_forked_child = True
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forked)
+
+
 def _threads_for(work, max_threads):
     return max_threads if work >= _PARALLEL_MIN_WORK else 1
+
+
+def _fork_safe(num_threads):
+    """The OpenMP threads a kernel may use in this process."""
+    return 1 if _in_forked_child else num_threads
 
 
 class HostBackend(Backend):
@@ -76,8 +96,6 @@ class HostBackend(Backend):
 
     @staticmethod
     def _host_f32(x):
-        if not isinstance(x, np.ndarray):  # e.g. a pyopencl array handed to the host backend
-            x = x.get()
         return np.ascontiguousarray(x, dtype=np.float32)
 
     def prepare_step(self, tables):
@@ -90,17 +108,17 @@ class HostBackend(Backend):
     def store(self, layer, tables, k, v):
         k, v = self._host_f32(k), self._host_f32(v)
         _kernels.scatter(self._kernel_view(self._k[layer]), self._kernel_view(self._v[layer]),
-                         tables.slot_mapping, k, v, _threads_for(k.size, self.num_threads))
+                         tables.slot_mapping, k, v, _fork_safe(_threads_for(k.size, self.num_threads)))
 
-    def attention(self, layer, tables, q, spec):
+    def attention(self, layer, tables, q, spec, out=None):
         q = self._host_f32(q)
         plan = tables.plan(self._plan, q.shape[1], spec.sliding_window)
-        out = np.empty_like(q)
+        out = np.empty_like(q) if out is None else out
         _kernels.paged_attention(
             q, self._kernel_view(self._k[layer]), self._kernel_view(self._v[layer]),
             tables.page_indptr, tables.page_indices, plan.items, plan.item_offsets,
             plan.heads_per_item, plan.max_rows, spec.scale, spec.logits_soft_cap or 0.0,
-            spec.sinks, out, plan.num_threads)
+            spec.sinks, out, _fork_safe(plan.num_threads))
         return out
 
     def _plan(self, tables, num_heads, sliding_window):
@@ -138,7 +156,7 @@ class HostBackend(Backend):
         shape = (len(slots), self._k.shape[2], self._k.shape[4])
         k = np.empty(shape, dtype=np.float32)
         v = np.empty(shape, dtype=np.float32)
-        threads = _threads_for(k.size, self.num_threads)
+        threads = _fork_safe(_threads_for(k.size, self.num_threads))
         _kernels.gather(self._kernel_view(self._k[layer]), slots, k, threads)
         _kernels.gather(self._kernel_view(self._v[layer]), slots, v, threads)
         return k, v

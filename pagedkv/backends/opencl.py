@@ -14,10 +14,12 @@ step tables are uploaded once per ``append`` (``prepare_step``) and shared
 by every layer.  Every kernel checks the slots and page ids it reads against
 the pool, so even a corrupt table cannot make it touch memory out of bounds.
 """
+import os
+
 import numpy as np
 
-from pagedkv.backends._opencl_device import (has_preferred_device, select_device,
-                                              unavailable_reason)
+from pagedkv.backends._opencl_device import (FORKED_CHILD_REASON, has_preferred_device,
+                                              select_device, unavailable_reason)
 from pagedkv.backends._opencl_layout import KernelLayout, _floor_pow2
 from pagedkv.backends._opencl_program import build_program
 from pagedkv.backends.base import Backend
@@ -36,6 +38,9 @@ _MIN_PART_TOKENS = 256
 _ITEMS_PER_COMPUTE_UNIT = 8
 # Work-group size of the data-movement kernels (scatter, gather, copies).
 _COPY_WORK_GROUP = 64
+# Two buffers per layer: far more layers than any model has would only
+# exhaust the driver's object tables.
+_MAX_LAYERS = 4096
 
 
 class _Plan:
@@ -113,6 +118,7 @@ class OpenCLBackend(Backend):
         import pyopencl as cl
         import pyopencl.tools
         self._cl = cl
+        self._pid = os.getpid()
         self.context, self.device = select_device(device)
         self.dtype = np.dtype(dtype)
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
@@ -120,13 +126,16 @@ class OpenCLBackend(Backend):
         self._page_elems = num_kv_heads * page_size * head_dim
         layer_bytes = num_pages * self._page_elems * self.dtype.itemsize
         device_name = self.device.name.strip()
+        if num_layers > _MAX_LAYERS:
+            raise ValueError(f"num_layers: the opencl backend keeps two buffers per layer and "
+                             f"takes at most {_MAX_LAYERS} layers, got {num_layers}")
         if layer_bytes > self.device.max_mem_alloc_size:
-            raise ValueError(
+            raise MemoryError(
                 f"num_pages: {num_pages} pages make a pool of {layer_bytes} bytes per layer, "
                 f"over the {self.device.max_mem_alloc_size} bytes {device_name} allows in one "
                 f"buffer; use fewer pages")
         if self.memory_bytes > self.device.global_mem_size:
-            raise ValueError(
+            raise MemoryError(
                 f"num_pages: {num_pages} pages need {self.memory_bytes} bytes of K/V, over "
                 f"{device_name}'s {self.device.global_mem_size} bytes; use fewer pages")
 
@@ -240,6 +249,9 @@ class OpenCLBackend(Backend):
         if x.context != self.context:
             raise ValueError(f"{name}: the pyopencl array lives in another OpenCL context than "
                              f"this cache (on {self.device.name.strip()}); copy it there first")
+        if x.queue is not None and x.queue != self.queue:
+            # the caller's queue may still be writing x: the cache's commands wait for it
+            self._cl.enqueue_barrier(self.queue, wait_for=[self._cl.enqueue_marker(x.queue)])
         if not x.flags.c_contiguous:
             raise ValueError(f"{name}: expected a C-contiguous pyopencl array, got strides "
                              f"{x.strides} for shape {list(x.shape)}")
@@ -264,13 +276,20 @@ class OpenCLBackend(Backend):
         raise ArgumentTypeError(f"{name}: expected float16, float32 or float64, got {x.dtype}")
 
     # -- protocol -------------------------------------------------------------------
+    def _check_process(self):
+        """RuntimeError in a fork()ed child, where the driver would hang."""
+        if os.getpid() != self._pid:
+            raise RuntimeError(f"opencl backend: {FORKED_CHILD_REASON}")
+
     def prepare_step(self, tables):
         """Upload the step's tables once (``tables.device``); every layer reuses them."""
+        self._check_process()
         tables.device = {
             name: self._upload(getattr(tables, name)) if len(getattr(tables, name)) else None
             for name in ("slot_mapping", "page_indptr", "page_indices")}
 
     def copy_pages(self, src, dst):
+        self._check_process()
         if not len(src):
             return
         src_d, dst_d = self._upload(src.astype(np.int32)), self._upload(dst.astype(np.int32))
@@ -280,6 +299,7 @@ class OpenCLBackend(Backend):
                          page_elems=self._page_elems, num_pages=self.num_pages)
 
     def store(self, layer, tables, k, v):
+        self._check_process()
         num_tokens = tables.num_tokens
         if num_tokens == 0:
             return
@@ -291,20 +311,38 @@ class OpenCLBackend(Backend):
             k_pool=self._k[layer], v_pool=self._v[layer], num_tokens=num_tokens,
             num_kv_heads=self.num_kv_heads, page_size=self.page_size,
             num_slots=self.num_pages * self.page_size)
-        for x in (k, v):
-            if self.is_native(x):
-                x.add_event(event)   # the caller's later writes to x wait for this read
+        self._hand_back(k, v, event=event)
+
+    def _hand_back(self, *arrays, event):
+        """Order the caller's later writes to its pyopencl ``arrays`` after ``event``
+        (the last of the cache's commands that read them): pyopencl's own
+        operations wait for ``array.events``; the array's own queue, when it is
+        not the cache's, waits for a barrier."""
+        native = [x for x in arrays if self.is_native(x)]
+        for x in native:
+            x.add_event(event)
+        if any(x.queue is not None and x.queue != self.queue for x in native):
+            done = self._cl.enqueue_marker(self.queue)
+            for queue in {x.queue for x in native if x.queue is not None and x.queue != self.queue}:
+                self._cl.enqueue_barrier(queue, wait_for=[done])
 
     def _plan(self, tables, num_heads, sliding_window):
         return _Plan(self, tables, num_heads, sliding_window)
 
-    def attention(self, layer, tables, q, spec):
+    def attention(self, layer, tables, q, spec, out=None):
+        self._check_process()
         native = self.is_native(q)
         plan = tables.plan(self._plan, q.shape[1], spec.sliding_window)
+        result = out
         if plan.num_items == 0:   # no new tokens: nothing to launch (and no empty buffers)
             self._last_events = []
-            out = np.zeros(q.shape, dtype=np.float32)
-            return _cl_array.to_device(self.queue, out, allocator=self._pool) if native else out
+            zeros = np.zeros(q.shape, dtype=np.float32)
+            if native:
+                return _cl_array.to_device(self.queue, zeros, allocator=self._pool)
+            if result is None:
+                return zeros
+            result[...] = 0.0
+            return result
         qd, q_wait = self._device_f32(q, "q")
         t = tables.device
         out = self._empty(q.shape)
@@ -332,9 +370,9 @@ class OpenCLBackend(Backend):
         self._last_events = events
         out.add_event(events[-1])
         if native:
-            q.add_event(events[0])
+            self._hand_back(q, event=events[0])
             return out
-        return out.get()
+        return out.get() if result is None else out.get(ary=result)
 
     @property
     def last_attention_kernel_seconds(self):
@@ -350,6 +388,7 @@ class OpenCLBackend(Backend):
         return sum(e.profile.end - e.profile.start for e in self._last_events) * 1e-9
 
     def gather(self, layer, slots):
+        self._check_process()
         n = len(slots)
         k = np.empty((n, self.num_kv_heads, self.head_dim), dtype=np.float32)
         v = np.empty_like(k)

@@ -1,0 +1,61 @@
+"""One caller at a time per cache: the threading model of ``PagedKVCache``.
+
+Every public method and property of a cache runs under the cache's lock, so
+threads that share a cache are serialised; the kernels still run without the
+GIL (threads on other caches, or doing other work, run meanwhile), on state
+that no other thread can change under them.  A call made from inside another
+call on the same cache (a ``prefix_hash`` callback that touches the cache)
+is refused with a clear error instead of deadlocking or seeing a half-done
+step.  In a ``fork()``ed child every lock starts free.
+"""
+import functools
+import os
+import threading
+import weakref
+
+_guards = weakref.WeakSet()
+
+
+class ReentrantCallError(RuntimeError):
+    """A call on a cache from inside another call on the same cache (e.g. a callback)."""
+
+
+class Guard:
+    """The lock of one cache, and which thread holds it."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._owner = None
+        _guards.add(self)
+
+    def _reset(self):
+        self._lock = threading.Lock()
+        self._owner = None
+
+
+def exclusive(method):
+    """Run ``method`` (of an object with a ``_guard``) under its cache's lock."""
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        guard = self._guard
+        me = threading.get_ident()
+        if guard._owner == me:
+            raise ReentrantCallError(
+                f"{method.__name__}: called from inside another call on this cache (a "
+                f"prefix_hash callback?); callbacks must not use the cache they serve")
+        with guard._lock:
+            guard._owner = me
+            try:
+                return method(self, *args, **kwargs)
+            finally:
+                guard._owner = None
+    return wrapper
+
+
+def _after_fork_in_child():
+    for guard in list(_guards):
+        guard._reset()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -1,0 +1,82 @@
+"""``Checkpoint``: a sequence's length at some moment, for rolling back to it.
+
+A checkpoint keeps no pages alive; it records its cache and a stamp.  The
+cache marks the stamp void when the sequence is truncated below the
+checkpoint, so a restore after the sequence was cut and regrown (its tokens
+there are no longer the checkpoint's) is refused instead of silently
+continuing from other K/V.  Only ``truncate`` does that bookkeeping (over the
+sequence's live checkpoints), so decode steps pay nothing for it.
+"""
+import weakref
+from dataclasses import dataclass, field
+
+
+class _Stamp:
+    """Shared by a checkpoint and its cache's book; ``valid`` drops to False for good."""
+    __slots__ = ("seq_len", "valid", "__weakref__")
+
+    def __init__(self, seq_len):
+        self.seq_len = seq_len
+        self.valid = True
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A sequence's length at some moment; ``PagedKVCache.restore`` rolls back to it.
+
+    Attributes
+    ----------
+    seq_id : int
+    seq_len : int
+    """
+    seq_id: int
+    seq_len: int
+    _cache: object = field(default=None, repr=False, compare=False)   # weakref to the cache
+    _stamp: _Stamp = field(default=None, repr=False, compare=False)
+
+
+class CheckpointBook:
+    """The live checkpoints of one cache's sequences, weakly held."""
+
+    def __init__(self, cache):
+        self._cache = weakref.ref(cache)
+        self._stamps = {}     # seq_id -> [weakref to the _Stamp of each live checkpoint]
+
+    def make(self, seq_id, seq_len):
+        """A new checkpoint of ``seq_id`` at ``seq_len`` tokens."""
+        stamp = _Stamp(seq_len)
+        refs = [r for r in self._stamps.get(seq_id, ()) if r() is not None]
+        refs.append(weakref.ref(stamp))
+        self._stamps[seq_id] = refs
+        return Checkpoint(seq_id, seq_len, self._cache, stamp)
+
+    def truncated(self, seq_id, new_len):
+        """``seq_id`` now has ``new_len`` tokens: void its checkpoints beyond them."""
+        kept = []
+        for ref in self._stamps.get(seq_id, ()):
+            stamp = ref()
+            if stamp is None:
+                continue
+            if stamp.seq_len > new_len:
+                stamp.valid = False
+            else:
+                kept.append(ref)
+        self._stamps[seq_id] = kept
+
+    def forget(self, seq_id):
+        """``seq_id`` was freed (its checkpoints then fail as an unknown sequence)."""
+        self._stamps.pop(seq_id, None)
+
+    def check_owner(self, checkpoint):
+        """ValueError unless ``checkpoint`` is this cache's."""
+        if checkpoint._cache is not self._cache:
+            raise ValueError("checkpoint: made by another cache; restore it on the cache whose "
+                             "checkpoint() made it")
+
+    def check_valid(self, checkpoint):
+        """ValueError if the sequence was truncated below ``checkpoint`` since it was taken."""
+        if not checkpoint._stamp.valid:
+            raise ValueError(
+                f"checkpoint: sequence {checkpoint.seq_id} was truncated below the checkpoint's "
+                f"{checkpoint.seq_len} tokens since it was taken; its tokens there are no longer "
+                f"the checkpoint's")

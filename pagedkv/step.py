@@ -1,0 +1,79 @@
+"""``StepBatch``: the slots and page tables of one ``append`` step, as an engine sees them."""
+import numpy as np
+
+from pagedkv.backends.base import StepTables
+
+
+def _frozen(array):
+    array.setflags(write=False)
+    return array
+
+
+class StepBatch:
+    """The slots and page tables of one ``append`` step (host numpy arrays, read-only).
+
+    Attributes
+    ----------
+    seq_ids : ndarray, shape [B], int64
+        The sequences, in the order given to ``append``.
+    query_start : ndarray, shape [B+1], int32
+        New tokens of sequence ``b`` are rows ``query_start[b]:query_start[b+1]``.
+    seq_lens : ndarray, shape [B], int32
+        Lengths after this step.
+    slot_mapping : ndarray, shape [total_new], int64
+        ``page * page_size + offset`` of each new token (vLLM layout).
+    page_indptr : ndarray, shape [B+1], int32
+    page_indices : ndarray, shape [nnz], int32
+    last_page_len : ndarray, shape [B], int32
+        CSR page table (FlashInfer / TVM layout).
+    block_table : ndarray, shape [B, max_pages], int32
+        Padded page table (vLLM layout), ``-1`` past each sequence's pages.
+
+    The arrays are read-only copies: the kernels read private ones, so no
+    edit of these can make ``store`` or ``attention`` touch other memory.
+
+    A batch is valid until the cache's pages next change (``append``,
+    ``truncate``, ``restore``, ``free``, ``clear``): store every layer of a
+    step before the next of those calls.
+    """
+
+    _PUBLIC = ("query_start", "seq_lens", "slot_mapping", "page_indptr", "page_indices",
+               "last_page_len", "block_table")
+
+    def __init__(self, cache, generation, seq_ids, tables):
+        self._cache = cache
+        self._generation = generation
+        self._private = {name: _frozen(tables[name]) for name in self._PUBLIC}
+        self._private["seq_ids"] = _frozen(seq_ids)
+        self._public = {}
+        self._stored_layers = set()
+        p = self._private
+        self._tables = StepTables(p["query_start"], p["seq_lens"], p["slot_mapping"],
+                                  p["page_indptr"], p["page_indices"])
+
+    def _view(self, name):
+        if name not in self._public:
+            self._public[name] = _frozen(self._private[name].copy())
+        return self._public[name]
+
+    seq_ids = property(lambda self: self._view("seq_ids"))
+    query_start = property(lambda self: self._view("query_start"))
+    seq_lens = property(lambda self: self._view("seq_lens"))
+    slot_mapping = property(lambda self: self._view("slot_mapping"))
+    page_indptr = property(lambda self: self._view("page_indptr"))
+    page_indices = property(lambda self: self._view("page_indices"))
+    last_page_len = property(lambda self: self._view("last_page_len"))
+    block_table = property(lambda self: self._view("block_table"))
+
+    @property
+    def num_seqs(self):
+        """B, the sequences in the step."""
+        return len(self._private["seq_ids"])
+
+    @property
+    def num_tokens(self):
+        """total_new, the new tokens of the step."""
+        return len(self._private["slot_mapping"])
+
+    def __repr__(self):
+        return f"StepBatch(num_seqs={self.num_seqs}, num_tokens={self.num_tokens})"
