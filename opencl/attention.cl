@@ -121,7 +121,20 @@ PKV_DEFINE_EXP(pkv_exp_s, pkv_svec, pkv_sivec, PKV_AS_SVEC, PKV_AS_SIVEC)
 
 /* dot[i][j] -> scores: 8 horizontal sums at once when the tile holds 8 float8s */
 #if PKV_VW == 8 && PKV_TB * PKV_QB == 8   /* tile n = i * PKV_QB + j */
+/* even lanes of a then of b, plus their odd lanes.  Where the compiler is
+   clang (PoCL, Oclgrind, Intel, AMD, Apple, Mesa), one two-input shuffle of
+   eight lanes: the concatenation (float8)(a.even, b.even) crashes Oclgrind's
+   uninitialized-value checker at -cl-opt-disable, and shuffle2(), which it
+   follows, is a function call on PoCL (~40% slower decode). */
+#if defined(__clang__) && defined(__has_builtin)
+#if __has_builtin(__builtin_shufflevector)
+#define PKV_PAIRS(a, b) (__builtin_shufflevector((a), (b), 0, 2, 4, 6, 8, 10, 12, 14) + \
+                         __builtin_shufflevector((a), (b), 1, 3, 5, 7, 9, 11, 13, 15))
+#endif
+#endif
+#ifndef PKV_PAIRS
 #define PKV_PAIRS(a, b) ((float8)((a).even, (b).even) + (float8)((a).odd, (b).odd))
+#endif
 inline float8 pkv_hsum8x8(float8 a0, float8 a1, float8 a2, float8 a3,
                           float8 a4, float8 a5, float8 a6, float8 a7) {
     const float8 c0 = PKV_PAIRS(PKV_PAIRS(a0, a1), PKV_PAIRS(a2, a3));
