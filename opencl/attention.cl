@@ -119,33 +119,6 @@ typedef int pkv_sivec;
 /* pkv_exp (pkv_common.h) on PKV_SW lanes at once; x <= 0, -inf or NaN */
 PKV_DEFINE_EXP(pkv_exp_s, pkv_svec, pkv_sivec, PKV_AS_SVEC, PKV_AS_SIVEC)
 
-/* dot[i][j] -> scores: 8 horizontal sums at once when the tile holds 8 float8s */
-#if PKV_VW == 8 && PKV_TB * PKV_QB == 8   /* tile n = i * PKV_QB + j */
-/* even lanes of a then of b, plus their odd lanes.  Where the compiler is
-   clang (PoCL, Oclgrind, Intel, AMD, Apple, Mesa), one two-input shuffle of
-   eight lanes: the concatenation (float8)(a.even, b.even) crashes Oclgrind's
-   uninitialized-value checker at -cl-opt-disable, and shuffle2(), which it
-   follows, is a function call on PoCL (~40% slower decode). */
-#if defined(__clang__) && defined(__has_builtin)
-#if __has_builtin(__builtin_shufflevector)
-#define PKV_PAIRS(a, b) (__builtin_shufflevector((a), (b), 0, 2, 4, 6, 8, 10, 12, 14) + \
-                         __builtin_shufflevector((a), (b), 1, 3, 5, 7, 9, 11, 13, 15))
-#endif
-#endif
-#ifndef PKV_PAIRS
-#define PKV_PAIRS(a, b) ((float8)((a).even, (b).even) + (float8)((a).odd, (b).odd))
-#endif
-inline float8 pkv_hsum8x8(float8 a0, float8 a1, float8 a2, float8 a3,
-                          float8 a4, float8 a5, float8 a6, float8 a7) {
-    const float8 c0 = PKV_PAIRS(PKV_PAIRS(a0, a1), PKV_PAIRS(a2, a3));
-    const float8 c1 = PKV_PAIRS(PKV_PAIRS(a4, a5), PKV_PAIRS(a6, a7));
-    return PKV_PAIRS(c0, c1);    /* lane n = sum of a_n */
-}
-#define PKV_FAST_HSUM 1
-#else
-#define PKV_FAST_HSUM 0
-#endif
-
 /* What turns an accumulator (max m, sum of weights) into the output, with a
  * sink logit (-inf: none) in the denominator: f / (sum * f + exp(sink - top)),
  * f = exp(m - top), top = max(m, sink), so that no exponent is positive.  A
@@ -298,22 +271,14 @@ void paged_attention(__global const float* q,              /* [T, num_heads, D] 
                         for (int i = 0; i < PKV_TB; ++i) dot[i][j] += qq * kv[i];
                     }
                 }
+                /* one horizontal sum per dot: an 8x8 transpose of shuffles instead
+                   ran no faster on PoCL, and its vector concatenations crash
+                   Oclgrind's uninitialized-value checker */
                 float sums[PKV_TB][PKV_QB];
-#if PKV_FAST_HSUM
-#define PKV_DOT(n) dot[(n) / PKV_QB][(n) % PKV_QB]
-                const float8 all = pkv_hsum8x8(PKV_DOT(0), PKV_DOT(1), PKV_DOT(2), PKV_DOT(3),
-                                               PKV_DOT(4), PKV_DOT(5), PKV_DOT(6), PKV_DOT(7));
-                const float lanes[8] = {all.s0, all.s1, all.s2, all.s3,
-                                        all.s4, all.s5, all.s6, all.s7};
-                PKV_UNROLL
-                for (int n = 0; n < 8; ++n) sums[n / PKV_QB][n % PKV_QB] = lanes[n];
-#undef PKV_DOT
-#else
                 PKV_UNROLL
                 for (int i = 0; i < PKV_TB; ++i)
                     PKV_UNROLL
                     for (int j = 0; j < PKV_QB; ++j) sums[i][j] = PKV_HSUM(dot[i][j]);
-#endif
                 PKV_UNROLL
                 for (int i = 0; i < PKV_TB; ++i) {
                     const int t = t0 + i;
