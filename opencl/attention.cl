@@ -40,6 +40,13 @@
  *   PKV_SPLIT   work-items per K/V row when staging (divides D / PKV_VW)
  *   PKV_STAGE_K, PKV_STAGE_V  1: read K (V) rows from a local copy
  *   PKV_SW      softmax vector width, 1 or 8
+ *   PKV_MERGE_WG  work-group size of merge_partials
+ *
+ * No loop's trip count grows with the context length: the planner cuts key
+ * ranges into parts of at most KernelLayout.max_item_keys keys, so that a
+ * work-item runs a bounded number of loop iterations (llvmpipe ends any
+ * work-item after 65,535; a GPU watchdog ends long ones); the
+ * merge loops over a bounded number of parts.
  */
 #include "pkv_common.h"
 #include "pkv_work_item.h"
@@ -415,7 +422,7 @@ void paged_attention(__global const float* q,              /* [T, num_heads, D] 
 /* Combine the parts of each split (row block, head group), add the sinks and
  * normalise: segment s owns partial slots seg_parts[s]:seg_parts[s+1]; its
  * first item is seg_items[s]. */
-__kernel __attribute__((reqd_work_group_size(PKV_WG, 1, 1)))
+__kernel __attribute__((reqd_work_group_size(PKV_MERGE_WG, 1, 1)))
 void merge_partials(__global const int* items, __global const int* seg_items,
                     __global const int* seg_parts,
                     __global const float* part_acc,    /* [P, PKV_NQ, D] */
@@ -430,8 +437,8 @@ void merge_partials(__global const int* items, __global const int* seg_items,
     const int h = item[PKV_W_KV_HEAD], row0 = item[PKV_W_ROW0], row1 = item[PKV_W_ROW1];
     const int nq = (row1 - row0) * group, num_heads = num_groups * group;
     const int first = seg_parts[s], last = seg_parts[s + 1];
-    for (int k = 0; k < PKV_CEIL(nq * PKV_DV, PKV_WG); ++k) {
-        const int e = lid + k * PKV_WG, qi = e / PKV_DV, vec = e % PKV_DV;
+    for (int k = 0; k < PKV_CEIL(nq * PKV_DV, PKV_MERGE_WG); ++k) {
+        const int e = lid + k * PKV_MERGE_WG, qi = e / PKV_DV, vec = e % PKV_DV;
         if (qi < nq) {
             float m = -INFINITY;
             for (int w = first; w < last; ++w) m = PKV_MAX(m, part_max[(size_t)w * PKV_NQ + qi]);

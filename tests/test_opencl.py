@@ -25,6 +25,7 @@ if HAS_OPENCL:
     import pyopencl.array as cl_array
 
     from pagedkv.backends import opencl as opencl_backend
+    from pagedkv.backends.schedule import ITEM
     from pagedkv.backends._opencl_program import KernelBuildError, build_program
     from pagedkv.backends.kernel_source import read_source
 
@@ -374,6 +375,85 @@ def test_layout_fits_small_devices():
         assert layout.work_group_size <= 32 and layout.local_bytes <= 2048
         assert head_dim % layout.vector_width == 0
         assert layout.max_queries % layout.query_tile == 0
+
+
+def test_layout_kind_follows_the_gpu_bit():
+    cl = pytest.importorskip("pyopencl")
+    from pagedkv.backends._opencl_layout import KernelLayout
+
+    def device(*kinds):
+        class Fake:
+            type = sum(getattr(cl.device_type, kind) for kind in kinds)
+            max_work_group_size, max_work_item_sizes = 1024, [1024, 1024, 1024]
+            local_mem_size, name = 32768, "fake"
+        return Fake
+
+    assert KernelLayout(device("CPU"), 64).kind == "cpu"
+    assert KernelLayout(device("GPU"), 64).kind == "gpu"
+    assert KernelLayout(device("CPU", "GPU", "ACCELERATOR"), 64).kind == "gpu"   # Oclgrind
+    assert KernelLayout(device("ACCELERATOR"), 64).kind == "gpu"
+    assert KernelLayout(device("GPU"), 64, kind="cpu").kind == "cpu"
+    with pytest.raises(ValueError, match="layout: kind must be 'cpu' or 'gpu'"):
+        KernelLayout(device("GPU"), 64, kind="tpu")
+
+
+@needs_opencl
+@pytest.mark.parametrize("head_dim,group,rows", [(128, 4, 1), (128, 1, 64), (64, 8, 3),
+                                                 (256, 2, 40)])
+def test_cpu_layout_work_per_work_item_is_bounded(cl_device, head_dim, group, rows):
+    # A CPU-typed device gets the CPU layout, where one work-item does a whole
+    # item's work (llvmpipe stops a work-item after 65,535 loop iterations).
+    # However long the context, every item and every merge stays within the
+    # layout's budget: longer key ranges become more split-K parts.
+    cache = opencl_cache(cl_device, 1, head_dim, num_pages=8, page_size=16,
+                         backend_options=layout_options("cpu"))
+    backend = cache._backend
+    layout = backend.layout
+    assert layout.kind == "cpu"
+    from pagedkv.backends.opencl import _Plan
+
+    class Tables:      # one sequence's step: `rows` new tokens at the end of `seq_len`
+        def __init__(self, seq_len):
+            self.query_start = np.array([0, rows], np.int32)
+            self.seq_lens = np.array([seq_len], np.int32)
+
+    # Bounded up to 4,000 parts per merge: 390,000 keys for 64 queries at head_dim 128
+    # (the worst case), millions for decode; past that, parts grow.
+    worst = []
+    for seq_len in (rows, 2_000, 20_000, 100_000, 300_000):
+        plan = _Plan(backend, Tables(seq_len), group, None)
+        items = plan.items.get()
+        queries = (items[:, ITEM.ROW1] - items[:, ITEM.ROW0]) * plan.group
+        keys = items[:, ITEM.KEY1] - items[:, ITEM.KEY0]
+        work = layout.attention_iterations(queries, keys)
+        assert work.max() <= layout.max_work_item_iterations, (seq_len, work.max())
+        assert keys.sum() >= seq_len * (rows == 1)              # every key is covered
+        if plan.num_segments:
+            parts = np.diff(plan.seg_parts.get())
+            merge = layout.merge_iterations(queries[plan.seg_items.get()], parts)
+            assert merge.max() <= layout.max_work_item_iterations, (seq_len, merge.max())
+        worst.append(int(work.max()))
+    assert max(worst[2:]) <= layout.max_work_item_iterations
+    assert layout.attention_iterations(rows * group, 300_000) > layout.max_work_item_iterations
+
+
+@needs_opencl
+def test_long_context_on_the_cpu_layout_matches_reference(cl_device):
+    # 64 query rows over 1,500 keys: one work-item of the CPU layout would run
+    # ~450,000 loop iterations over them, 7x what llvmpipe allows
+    rng = np.random.default_rng(6)
+    cache = opencl_cache(cl_device, 1, 128, num_pages=100, backend_options=layout_options("cpu"))
+    s = cache.add_sequence()
+    k, v = rng.standard_normal((2, 1500, 1, 128), dtype=np.float32)
+    batch = cache.append([s], [1436])
+    cache.store(0, batch, k[:1436], v[:1436])
+    batch = cache.append([s], [64])
+    cache.store(0, batch, k[1436:], v[1436:])
+    q = rng.standard_normal((64, 1, 128), dtype=np.float32)
+    out = cache.attention(0, batch, q)
+    assert batch._tables.plan(None, 1, None).num_parts > 1
+    np.testing.assert_allclose(out, dense_attention(q, k, v, np.arange(1436, 1500)),
+                               **TOLERANCE["float32"])
 
 
 # -- split-K -------------------------------------------------------------------------------
