@@ -437,23 +437,29 @@ def test_cpu_layout_work_per_work_item_is_bounded(cl_device, head_dim, group, ro
     assert layout.attention_iterations(rows * group, 300_000) > layout.max_work_item_iterations
 
 
+def attend_at_the_end(cache, seed, seq_len, new, num_heads):
+    """Store ``seq_len - new`` tokens of one sequence, then a step of ``new`` more, and
+    attend with them.  Returns (output, the dense reference's output, the batch)."""
+    rng = np.random.default_rng(seed)
+    d = cache.head_dim
+    s = cache.add_sequence()
+    k, v = rng.standard_normal((2, seq_len, 1, d), dtype=np.float32)
+    old = seq_len - new
+    cache.store(0, cache.append([s], [old]), k[:old], v[:old])
+    batch = cache.append([s], [new])
+    cache.store(0, batch, k[old:], v[old:])
+    q = rng.standard_normal((new, num_heads, d), dtype=np.float32)
+    return cache.attention(0, batch, q), dense_attention(q, k, v, np.arange(old, seq_len)), batch
+
+
 @needs_opencl
 def test_long_context_on_the_cpu_layout_matches_reference(cl_device):
     # 64 query rows over 1,500 keys: one work-item of the CPU layout would run
     # ~450,000 loop iterations over them, 7x what llvmpipe allows
-    rng = np.random.default_rng(6)
     cache = opencl_cache(cl_device, 1, 128, num_pages=100, backend_options=layout_options("cpu"))
-    s = cache.add_sequence()
-    k, v = rng.standard_normal((2, 1500, 1, 128), dtype=np.float32)
-    batch = cache.append([s], [1436])
-    cache.store(0, batch, k[:1436], v[:1436])
-    batch = cache.append([s], [64])
-    cache.store(0, batch, k[1436:], v[1436:])
-    q = rng.standard_normal((64, 1, 128), dtype=np.float32)
-    out = cache.attention(0, batch, q)
+    out, expected, batch = attend_at_the_end(cache, 6, 1500, 64, 1)
     assert batch._tables.plan(None, 1, None).num_parts > 1
-    np.testing.assert_allclose(out, dense_attention(q, k, v, np.arange(1436, 1500)),
-                               **TOLERANCE["float32"])
+    np.testing.assert_allclose(out, expected, **TOLERANCE["float32"])
 
 
 # -- split-K -------------------------------------------------------------------------------
@@ -461,19 +467,11 @@ def test_long_context_on_the_cpu_layout_matches_reference(cl_device):
 @needs_opencl
 @pytest.mark.parametrize("layout", KINDS)
 def test_split_k_long_decode_matches_reference(cl_device, layout):
-    rng = np.random.default_rng(3)
     cache = opencl_cache(cl_device, 1, 64, num_pages=320, backend_options=layout_options(layout))
-    s = cache.add_sequence()
-    k, v = rng.standard_normal((2, 5000, 1, 64), dtype=np.float32)
-    batch = cache.append([s], [4999])
-    cache.store(0, batch, k[:4999], v[:4999])
-    batch = cache.append([s], [1])
-    cache.store(0, batch, k[4999:], v[4999:])
-    q = rng.standard_normal((1, 4, 64), dtype=np.float32)
-    out = cache.attention(0, batch, q)
+    out, expected, batch = attend_at_the_end(cache, 3, 5000, 1, 4)
     plan = batch._tables.plan(None, 4, None)
     assert plan.num_segments == 1 and plan.num_parts > 1      # split, then merged
-    np.testing.assert_allclose(out, dense_attention(q, k, v, [4999]), **TOLERANCE["float32"])
+    np.testing.assert_allclose(out, expected, **TOLERANCE["float32"])
 
 
 @needs_opencl
@@ -481,19 +479,10 @@ def test_split_k_long_decode_matches_reference(cl_device, layout):
 def test_split_k_part_that_some_queries_cannot_see(cl_device, layout):
     # page_size 1024: a 64-row chunk at positions 986..1049 gets key parts
     # [0, 1024) and [1024, 1050); rows before 1024 see nothing of the second
-    rng = np.random.default_rng(4)
     cache = opencl_cache(cl_device, 1, 32, num_pages=4, page_size=1024,
                          backend_options=layout_options(layout))
-    s = cache.add_sequence()
-    k, v = rng.standard_normal((2, 1050, 1, 32), dtype=np.float32)
-    batch = cache.append([s], [986])
-    cache.store(0, batch, k[:986], v[:986])
-    batch = cache.append([s], [64])
-    cache.store(0, batch, k[986:], v[986:])
-    q = rng.standard_normal((64, 1, 32), dtype=np.float32)
-    out = cache.attention(0, batch, q)
+    out, expected, batch = attend_at_the_end(cache, 4, 1050, 64, 1)
     assert batch._tables.plan(None, 1, None).num_segments >= 1
-    expected = dense_attention(q, k, v, np.arange(986, 1050))
     np.testing.assert_allclose(out, expected, **TOLERANCE["float32"])
 
 
