@@ -40,6 +40,13 @@
  *   PKV_SPLIT   work-items per K/V row when staging (divides D / PKV_VW)
  *   PKV_STAGE_K, PKV_STAGE_V  1: read K (V) rows from a local copy
  *   PKV_SW      softmax vector width, 1 or 8
+ *   PKV_MERGE_WG  work-group size of merge_partials
+ *
+ * No loop's trip count grows with the context length: the planner cuts key
+ * ranges into parts of at most KernelLayout.max_item_keys keys, so that a
+ * work-item runs a bounded number of loop iterations (llvmpipe ends any
+ * work-item after 65,535; a GPU watchdog ends long ones); the
+ * merge loops over a bounded number of parts.
  */
 #include "pkv_common.h"
 #include "pkv_work_item.h"
@@ -118,20 +125,6 @@ typedef int pkv_sivec;
 
 /* pkv_exp (pkv_common.h) on PKV_SW lanes at once; x <= 0, -inf or NaN */
 PKV_DEFINE_EXP(pkv_exp_s, pkv_svec, pkv_sivec, PKV_AS_SVEC, PKV_AS_SIVEC)
-
-/* dot[i][j] -> scores: 8 horizontal sums at once when the tile holds 8 float8s */
-#if PKV_VW == 8 && PKV_TB * PKV_QB == 8   /* tile n = i * PKV_QB + j */
-#define PKV_PAIRS(a, b) ((float8)((a).even, (b).even) + (float8)((a).odd, (b).odd))
-inline float8 pkv_hsum8x8(float8 a0, float8 a1, float8 a2, float8 a3,
-                          float8 a4, float8 a5, float8 a6, float8 a7) {
-    const float8 c0 = PKV_PAIRS(PKV_PAIRS(a0, a1), PKV_PAIRS(a2, a3));
-    const float8 c1 = PKV_PAIRS(PKV_PAIRS(a4, a5), PKV_PAIRS(a6, a7));
-    return PKV_PAIRS(c0, c1);    /* lane n = sum of a_n */
-}
-#define PKV_FAST_HSUM 1
-#else
-#define PKV_FAST_HSUM 0
-#endif
 
 /* What turns an accumulator (max m, sum of weights) into the output, with a
  * sink logit (-inf: none) in the denominator: f / (sum * f + exp(sink - top)),
@@ -285,22 +278,14 @@ void paged_attention(__global const float* q,              /* [T, num_heads, D] 
                         for (int i = 0; i < PKV_TB; ++i) dot[i][j] += qq * kv[i];
                     }
                 }
+                /* one horizontal sum per dot: an 8x8 transpose of shuffles instead
+                   ran no faster on PoCL, and its vector concatenations crash
+                   Oclgrind's uninitialized-value checker */
                 float sums[PKV_TB][PKV_QB];
-#if PKV_FAST_HSUM
-#define PKV_DOT(n) dot[(n) / PKV_QB][(n) % PKV_QB]
-                const float8 all = pkv_hsum8x8(PKV_DOT(0), PKV_DOT(1), PKV_DOT(2), PKV_DOT(3),
-                                               PKV_DOT(4), PKV_DOT(5), PKV_DOT(6), PKV_DOT(7));
-                const float lanes[8] = {all.s0, all.s1, all.s2, all.s3,
-                                        all.s4, all.s5, all.s6, all.s7};
-                PKV_UNROLL
-                for (int n = 0; n < 8; ++n) sums[n / PKV_QB][n % PKV_QB] = lanes[n];
-#undef PKV_DOT
-#else
                 PKV_UNROLL
                 for (int i = 0; i < PKV_TB; ++i)
                     PKV_UNROLL
                     for (int j = 0; j < PKV_QB; ++j) sums[i][j] = PKV_HSUM(dot[i][j]);
-#endif
                 PKV_UNROLL
                 for (int i = 0; i < PKV_TB; ++i) {
                     const int t = t0 + i;
@@ -437,7 +422,7 @@ void paged_attention(__global const float* q,              /* [T, num_heads, D] 
 /* Combine the parts of each split (row block, head group), add the sinks and
  * normalise: segment s owns partial slots seg_parts[s]:seg_parts[s+1]; its
  * first item is seg_items[s]. */
-__kernel __attribute__((reqd_work_group_size(PKV_WG, 1, 1)))
+__kernel __attribute__((reqd_work_group_size(PKV_MERGE_WG, 1, 1)))
 void merge_partials(__global const int* items, __global const int* seg_items,
                     __global const int* seg_parts,
                     __global const float* part_acc,    /* [P, PKV_NQ, D] */
@@ -452,8 +437,8 @@ void merge_partials(__global const int* items, __global const int* seg_items,
     const int h = item[PKV_W_KV_HEAD], row0 = item[PKV_W_ROW0], row1 = item[PKV_W_ROW1];
     const int nq = (row1 - row0) * group, num_heads = num_groups * group;
     const int first = seg_parts[s], last = seg_parts[s + 1];
-    for (int k = 0; k < PKV_CEIL(nq * PKV_DV, PKV_WG); ++k) {
-        const int e = lid + k * PKV_WG, qi = e / PKV_DV, vec = e % PKV_DV;
+    for (int k = 0; k < PKV_CEIL(nq * PKV_DV, PKV_MERGE_WG); ++k) {
+        const int e = lid + k * PKV_MERGE_WG, qi = e / PKV_DV, vec = e % PKV_DV;
         if (qi < nq) {
             float m = -INFINITY;
             for (int w = first; w < last; ++w) m = PKV_MAX(m, part_max[(size_t)w * PKV_NQ + qi]);

@@ -1,9 +1,41 @@
+"""The shared ``backend`` fixture: behaviour tests run once per backend and OpenCL device.
+
+A test takes ``backend`` and passes ``backend=backend`` to ``PagedKVCache``;
+its body never branches on it.  The params are ``"host"`` and one per OpenCL
+test device (``opencl_devices.TEST_DEVICES``, picked by
+``$PAGEDKV_TEST_DEVICES`` or ``$PYOPENCL_TEST``); an OpenCL param hands the
+test ``"opencl"`` with ``PAGEDKV_DEVICE`` set to that device, so the cache
+runs there.  Tests marked ``one_opencl_device`` run on the primary device only.
+"""
 import pytest
 
 import pagedkv
+from opencl_devices import TEST_DEVICES
 
 
-@pytest.fixture(params=pagedkv.available_backends())
-def backend(request):
-    """Each backend usable on this machine; behaviour tests run once per backend."""
-    return request.param
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "one_opencl_device: run on the primary OpenCL test device only (whole-model "
+                   "tests, to keep the suite's time in bounds)")
+
+
+def pytest_generate_tests(metafunc):
+    if "backend" not in metafunc.fixturenames:
+        return
+    params = []
+    if "host" in pagedkv.available_backends():
+        params.append(pytest.param("host", id="host"))
+    devices = TEST_DEVICES
+    if metafunc.definition.get_closest_marker("one_opencl_device"):
+        devices = devices[:1]
+    params += [pytest.param(device, id=device.id) for device in devices]
+    metafunc.parametrize("backend", params, indirect=True)
+
+
+@pytest.fixture
+def backend(request, monkeypatch):
+    """``"host"``, or ``"opencl"`` on one test device (through ``$PAGEDKV_DEVICE``)."""
+    if request.param == "host":
+        return "host"
+    monkeypatch.setenv("PAGEDKV_DEVICE", request.param.index)
+    return "opencl"

@@ -19,6 +19,9 @@ from pagedkv.models.engine import Engine
 from pagedkv.models.llama import LayerWeights, LlamaConfig, LlamaModel, LlamaWeights
 from pagedkv.models.sampling import sample
 
+# whole-model tests: the engine more than the kernels, so one OpenCL device is enough
+pytestmark = pytest.mark.one_opencl_device
+
 CONFIG = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_layers=2,
                      num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=10000.0,
                      rms_norm_eps=1e-5, max_position=256)

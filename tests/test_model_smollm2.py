@@ -14,6 +14,9 @@ import pytest
 import pagedkv
 from test_model_gguf import require
 
+# whole-model tests: the engine more than the kernels, so one OpenCL device is enough
+pytestmark = pytest.mark.one_opencl_device
+
 PROMPT = "The capital of France is"
 PROMPT_IDS = [504, 3575, 282, 4649, 314]
 # Greedy continuation without the chat template: " Paris.\n\nThe answer is: 201"

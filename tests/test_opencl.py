@@ -14,6 +14,7 @@ import pytest
 
 import pagedkv
 from pagedkv.backends import _opencl_device, resolve_backend
+from opencl_devices import TEST_DEVICES, implementation
 from reference import TOLERANCE, dense_attention
 
 HAS_OPENCL = "opencl" in pagedkv.available_backends()
@@ -24,14 +25,23 @@ if HAS_OPENCL:
     import pyopencl.array as cl_array
 
     from pagedkv.backends import opencl as opencl_backend
+    from pagedkv.backends.schedule import ITEM
     from pagedkv.backends._opencl_program import KernelBuildError, build_program
     from pagedkv.backends.kernel_source import read_source
 
 
-def opencl_cache(num_kv_heads=2, head_dim=32, *, num_layers=1, num_pages=64, page_size=16,
-                 dtype="float32", **kwargs):
+def opencl_cache(device, num_kv_heads=2, head_dim=32, *, num_layers=1, num_pages=64,
+                 page_size=16, dtype="float32", **kwargs):
+    """An opencl cache on ``device`` (a pyopencl Device, Context or device string)."""
     return pagedkv.PagedKVCache(num_layers, num_kv_heads, head_dim, num_pages=num_pages,
-                                page_size=page_size, dtype=dtype, backend="opencl", **kwargs)
+                                page_size=page_size, dtype=dtype, backend="opencl",
+                                device=device, **kwargs)
+
+
+@pytest.fixture(params=TEST_DEVICES, ids=lambda d: d.id)
+def cl_device(request):
+    """Each OpenCL test device (``opencl_devices.py``): a pyopencl Device."""
+    return request.param.device
 
 
 @pytest.fixture
@@ -47,6 +57,14 @@ def fresh_availability():
 @pytest.mark.skipif(not os.environ.get("CI"), reason="only CI must have an OpenCL device")
 def test_ci_has_an_opencl_device():
     assert "opencl" in pagedkv.available_backends(), _opencl_device.unavailable_reason()
+
+
+@pytest.mark.skipif(not os.environ.get("CI"), reason="only CI must have two implementations")
+def test_ci_tests_two_opencl_implementations():
+    # pip's PoCL (pagedkv[opencl]) and Debian's pocl-opencl-icd (.ci/run installs it)
+    found = sorted({implementation(d.device) for d in TEST_DEVICES})
+    assert len(found) >= 2, (f"CI runs the OpenCL tests on {found}: expected two OpenCL "
+                             f"implementations; devices:\n{_opencl_device.describe_devices()}")
 
 
 def test_missing_pyopencl_says_how_to_install(monkeypatch, fresh_availability):
@@ -129,11 +147,11 @@ def test_loader_reads_the_package_resources():
 
 
 @needs_opencl
-def test_build_error_names_the_file_options_and_log(tmp_path):
+def test_build_error_names_the_file_options_and_log(cl_device, tmp_path):
     (tmp_path / "broken.cl").write_text(
         '#include "helper.h"\n__kernel void f(__global float* x) {\n  x[0] = undeclared;\n}\n')
     (tmp_path / "helper.h").write_text("#define HELPER 1\n")
-    context = opencl_cache()._backend.context
+    context = opencl_cache(cl_device)._backend.context
     options = ("-DPKV_PROBE=1",)
     with pytest.raises(KernelBuildError) as info:
         build_program(context, "broken.cl", options,
@@ -141,15 +159,18 @@ def test_build_error_names_the_file_options_and_log(tmp_path):
     message = str(info.value)
     assert "opencl/broken.cl" in message and "-DPKV_PROBE=1" in message
     assert "undeclared" in message                   # the compiler's log
-    assert "broken.cl:3" in message                  # #line keeps the original line numbers
+    # Where the compiler honours #line (Oclgrind's ignores it), the log names the
+    # original file and line, not the expanded text's.
+    if "broken.cl:" in message.split("failed:", 1)[1]:
+        assert "broken.cl:3" in message
 
 
 @needs_opencl
-def test_programs_are_built_once_per_context():
+def test_programs_are_built_once_per_context(cl_device):
     from pagedkv.backends import _opencl_program
-    first = opencl_cache()._backend
+    first = opencl_cache(cl_device)._backend
     built = len(_opencl_program._programs)
-    second = opencl_cache(num_pages=32, num_layers=2)._backend   # same shapes, other sizes
+    second = opencl_cache(cl_device, num_pages=32, num_layers=2)._backend   # same shapes, other sizes
     assert first.context is second.context
     assert len(_opencl_program._programs) == built
 
@@ -158,19 +179,30 @@ def test_programs_are_built_once_per_context():
 
 @needs_opencl
 class TestDeviceSelection:
-    def only_device(self):
-        platform = cl.get_platforms()[0]
-        return platform.get_devices()[0]
+    @pytest.fixture(autouse=True)
+    def _device(self, cl_device, monkeypatch):
+        for name in ("PAGEDKV_DEVICE", "PYOPENCL_CTX"):
+            monkeypatch.delenv(name, raising=False)
+        self.device = cl_device
+        self.index = _opencl_device.device_index(cl_device)
 
     def test_by_index_string(self):
-        backend = opencl_cache(device="0:0")._backend
-        assert backend.device == self.only_device()
+        assert opencl_cache(self.index)._backend.device == self.device
+
+    def test_by_name(self):
+        # the device name and platform version: unique unless two devices are identical
+        label = _opencl_device.device_label(self.device)
+        text = label[label.index(" / ") + 3:]
+        for name in (f"name:{text}", text.upper()):
+            chosen = opencl_cache(name)._backend.device
+            assert _opencl_device.device_label(chosen) == label
+        assert _opencl_device.find_devices(f"name:{self.device.name.strip()}", "device")
 
     def test_by_device_and_by_context(self):
-        device = self.only_device()
-        assert opencl_cache(device=device)._backend.device == device
+        device = self.device
+        assert opencl_cache(device)._backend.device == device
         context = cl.Context([device])
-        cache = opencl_cache(device=context)
+        cache = opencl_cache(context)
         assert cache._backend.context is context and cache._backend.device == device
         s = cache.add_sequence()                 # programs build for the new context
         batch = cache.append([s], [5])
@@ -179,32 +211,63 @@ class TestDeviceSelection:
         np.testing.assert_allclose(cache.attention(0, batch, np.ones((5, 4, 32))), 1.0)
 
     def test_by_environment(self, monkeypatch):
-        monkeypatch.setenv("PAGEDKV_DEVICE", "0:0")
-        assert opencl_cache()._backend.device == self.only_device()
+        monkeypatch.setenv("PAGEDKV_DEVICE", self.index)
+        assert opencl_cache(None)._backend.device == self.device
+        monkeypatch.setenv("PAGEDKV_DEVICE", f"name:{self.device.name.strip()}")
+        assert opencl_cache(None)._backend.device.name == self.device.name
         monkeypatch.delenv("PAGEDKV_DEVICE")
-        monkeypatch.setenv("PYOPENCL_CTX", "0:0")
-        assert opencl_cache()._backend.device == self.only_device()
+        monkeypatch.setenv("PYOPENCL_CTX", self.index)
+        assert opencl_cache(None)._backend.device == self.device
 
-    @pytest.mark.parametrize("text", ["9:9", "0:99", "gpu", "0", "1:2:3", ""])
+    @pytest.mark.parametrize("text", ["99:9", "0:99", "no such device", "name:", "0", "1:2:3",
+                                      ""])
     def test_bad_strings_name_the_argument_and_the_devices(self, text):
         with pytest.raises(ValueError) as info:
-            opencl_cache(device=text)
+            opencl_cache(text)
         message = str(info.value)
-        assert message.startswith("device:") and "0:0" in message
-        assert self.only_device().name.strip() in message
+        assert message.startswith("device:") and f"{self.index}  " in message
+        assert self.device.name.strip() in message
 
     def test_bad_environment_names_the_variable(self, monkeypatch):
-        monkeypatch.setenv("PAGEDKV_DEVICE", "7:0")
-        with pytest.raises(ValueError, match=r"^PAGEDKV_DEVICE: no OpenCL device '7:0'"):
-            opencl_cache()
+        monkeypatch.setenv("PAGEDKV_DEVICE", "77:0")
+        with pytest.raises(ValueError, match=r"^PAGEDKV_DEVICE: no OpenCL device '77:0'"):
+            opencl_cache(None)
+        monkeypatch.setenv("PAGEDKV_DEVICE", "name:no such device")
+        with pytest.raises(ValueError, match=r"^PAGEDKV_DEVICE: no OpenCL device matches"):
+            opencl_cache(None)
         monkeypatch.delenv("PAGEDKV_DEVICE")
-        monkeypatch.setenv("PYOPENCL_CTX", "7")
-        with pytest.raises(ValueError, match=r"^PYOPENCL_CTX: '7' selects no device"):
-            opencl_cache()
+        monkeypatch.setenv("PYOPENCL_CTX", "77")
+        with pytest.raises(ValueError, match=r"^PYOPENCL_CTX: '77' selects no device"):
+            opencl_cache(None)
 
     def test_bad_type(self):
         with pytest.raises(TypeError, match="device: expected a pyopencl Device or Context"):
-            opencl_cache(device=0)
+            opencl_cache(0)
+
+
+def test_automatic_choice_prefers_a_gpu_and_leaves_simulators_last(monkeypatch):
+    cl = pytest.importorskip("pyopencl")
+
+    class FakeDevice:
+        def __init__(self, name, *kinds):
+            self.name = name
+            self.type = sum(getattr(cl.device_type, kind) for kind in kinds)
+
+    def fake(*devices):
+        class FakePlatform:
+            def get_devices(self):
+                return list(devices)
+        monkeypatch.setattr(cl, "get_platforms", lambda: [FakePlatform()])
+        monkeypatch.setattr(_opencl_device, "context_for_device", lambda dev: None)
+        return _opencl_device.select_device()[1].name
+
+    for name in ("PAGEDKV_DEVICE", "PYOPENCL_CTX"):
+        monkeypatch.delenv(name, raising=False)
+    grind = FakeDevice("grind", "CPU", "GPU", "ACCELERATOR")
+    assert fake(grind, FakeDevice("cpu", "CPU"), FakeDevice("gpu", "GPU")) == "gpu"
+    assert fake(grind, FakeDevice("cpu", "CPU"), FakeDevice("acc", "ACCELERATOR")) == "acc"
+    assert fake(grind, FakeDevice("cpu", "CPU")) == "cpu"
+    assert fake(grind) == "grind"
 
 
 # -- one workload through both backends --------------------------------------------------
@@ -238,11 +301,30 @@ def run_workload(backend, dtype, variant=None, **kwargs):
     return outputs, gathered
 
 
+# Layouts forced on every device: each kind's defaults, and shapes that a GPU
+# with a smaller work-group limit or little local memory would get.
+LAYOUTS = {
+    "cpu": dict(kind="cpu"),
+    "gpu": dict(kind="gpu"),
+    "gpu64": dict(work_group_size=64, vector_width=4, query_tile=1, key_tile=1, column_tile=1,
+                  max_queries=32, chunk=16),
+    "unstaged": dict(stage_k=False, stage_v=False, work_group_size=4),
+    "small": dict(work_group_size=2, vector_width=2, chunk=4, max_queries=4, query_tile=2),
+}
+KINDS = ["cpu", "gpu"]
+
+
+def layout_options(name):
+    return {"layout": LAYOUTS[name]}
+
+
 @needs_opencl
+@pytest.mark.parametrize("layout", KINDS)
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
-def test_same_results_as_host(dtype):
+def test_same_results_as_host(cl_device, layout, dtype):
     host_out, host_kv = run_workload("host", dtype)
-    ocl_out, ocl_kv = run_workload("opencl", dtype)
+    ocl_out, ocl_kv = run_workload("opencl", dtype, device=cl_device,
+                                   backend_options=layout_options(layout))
     for expected, got in zip(host_out, ocl_out):
         np.testing.assert_allclose(got, expected, **TOLERANCE["float32"])
     for (hk, hv), (ok, ov) in zip(host_kv, ocl_kv):
@@ -251,36 +333,29 @@ def test_same_results_as_host(dtype):
 
 
 @needs_opencl
+@pytest.mark.parametrize("layout", KINDS)
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
-def test_same_results_as_host_with_variants(dtype):
+def test_same_results_as_host_with_variants(cl_device, layout, dtype):
     variant = dict(sliding_window=19, logits_soft_cap=1.3, scale=0.25,
                    sinks=np.random.default_rng(9).uniform(-1, 2, 8))
     host_out, host_kv = run_workload("host", dtype, variant)
-    ocl_out, ocl_kv = run_workload("opencl", dtype, variant)
+    ocl_out, ocl_kv = run_workload("opencl", dtype, variant, device=cl_device,
+                                   backend_options=layout_options(layout))
     for expected, got in zip(host_out, ocl_out):
         np.testing.assert_allclose(got, expected, **TOLERANCE["float32"])
     for (hk, hv), (ok, ov) in zip(host_kv, ocl_kv):
         assert hk.tobytes() == ok.tobytes() and hv.tobytes() == ov.tobytes()
 
 
-# Layouts a GPU (or a device with little local memory) would get, run here.
-LAYOUTS = {
-    "gpu": dict(work_group_size=64, vector_width=4, query_tile=1, key_tile=1, column_tile=1,
-                max_queries=32, chunk=16),
-    "unstaged": dict(stage_k=False, stage_v=False, work_group_size=4),
-    "small": dict(work_group_size=2, vector_width=2, chunk=4, max_queries=4, query_tile=2),
-}
-
-
 @needs_opencl
 @pytest.mark.parametrize("windowed", [False, True])
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_other_layouts_give_the_same_results(layout, windowed):
+@pytest.mark.parametrize("layout", ["gpu64", "unstaged", "small"])
+def test_other_layouts_give_the_same_results(cl_device, layout, windowed):
     variant = dict(sliding_window=21, logits_soft_cap=2.0,
                    sinks=np.linspace(-1, 2, 8)) if windowed else None
     host_out, host_kv = run_workload("host", "float16", variant)
-    ocl_out, ocl_kv = run_workload("opencl", "float16", variant,
-                                   backend_options={"layout": LAYOUTS[layout]})
+    ocl_out, ocl_kv = run_workload("opencl", "float16", variant, device=cl_device,
+                                   backend_options=layout_options(layout))
     for expected, got in zip(host_out, ocl_out):
         np.testing.assert_allclose(got, expected, **TOLERANCE["float32"])
     for (hk, hv), (ok, ov) in zip(host_kv, ocl_kv):
@@ -302,49 +377,120 @@ def test_layout_fits_small_devices():
         assert layout.max_queries % layout.query_tile == 0
 
 
+def test_layout_kind_follows_the_gpu_bit():
+    cl = pytest.importorskip("pyopencl")
+    from pagedkv.backends._opencl_layout import KernelLayout
+
+    def device(*kinds):
+        class Fake:
+            type = sum(getattr(cl.device_type, kind) for kind in kinds)
+            max_work_group_size, max_work_item_sizes = 1024, [1024, 1024, 1024]
+            local_mem_size, name = 32768, "fake"
+        return Fake
+
+    assert KernelLayout(device("CPU"), 64).kind == "cpu"
+    assert KernelLayout(device("GPU"), 64).kind == "gpu"
+    assert KernelLayout(device("CPU", "GPU", "ACCELERATOR"), 64).kind == "gpu"   # Oclgrind
+    assert KernelLayout(device("ACCELERATOR"), 64).kind == "gpu"
+    assert KernelLayout(device("GPU"), 64, kind="cpu").kind == "cpu"
+    with pytest.raises(ValueError, match="layout: kind must be 'cpu' or 'gpu'"):
+        KernelLayout(device("GPU"), 64, kind="tpu")
+
+
+@needs_opencl
+@pytest.mark.parametrize("head_dim,group,rows", [(128, 4, 1), (128, 1, 64), (64, 8, 3),
+                                                 (256, 2, 40)])
+def test_cpu_layout_work_per_work_item_is_bounded(cl_device, head_dim, group, rows):
+    # A CPU-typed device gets the CPU layout, where one work-item does a whole
+    # item's work (llvmpipe stops a work-item after 65,535 loop iterations).
+    # However long the context, every item and every merge stays within the
+    # layout's budget: longer key ranges become more split-K parts.
+    cache = opencl_cache(cl_device, 1, head_dim, num_pages=8, page_size=16,
+                         backend_options=layout_options("cpu"))
+    backend = cache._backend
+    layout = backend.layout
+    assert layout.kind == "cpu"
+    from pagedkv.backends.opencl import _Plan
+
+    class Tables:      # one sequence's step: `rows` new tokens at the end of `seq_len`
+        def __init__(self, seq_len):
+            self.query_start = np.array([0, rows], np.int32)
+            self.seq_lens = np.array([seq_len], np.int32)
+
+    # Bounded up to 4,000 parts per merge: 390,000 keys for 64 queries at head_dim 128
+    # (the worst case), millions for decode; past that, parts grow.
+    worst = []
+    for seq_len in (rows, 2_000, 20_000, 100_000, 300_000):
+        plan = _Plan(backend, Tables(seq_len), group, None)
+        items = plan.items.get()
+        queries = (items[:, ITEM.ROW1] - items[:, ITEM.ROW0]) * plan.group
+        keys = items[:, ITEM.KEY1] - items[:, ITEM.KEY0]
+        work = layout.attention_iterations(queries, keys)
+        assert work.max() <= layout.max_work_item_iterations, (seq_len, work.max())
+        assert keys.sum() >= seq_len * (rows == 1)              # every key is covered
+        if plan.num_segments:
+            parts = np.diff(plan.seg_parts.get())
+            merge = layout.merge_iterations(queries[plan.seg_items.get()], parts)
+            assert merge.max() <= layout.max_work_item_iterations, (seq_len, merge.max())
+        worst.append(int(work.max()))
+    assert max(worst[2:]) <= layout.max_work_item_iterations
+    assert layout.attention_iterations(rows * group, 300_000) > layout.max_work_item_iterations
+
+
+def attend_at_the_end(cache, seed, seq_len, new, num_heads):
+    """Store ``seq_len - new`` tokens of one sequence, then a step of ``new`` more, and
+    attend with them.  Returns (output, the dense reference's output, the batch)."""
+    rng = np.random.default_rng(seed)
+    d = cache.head_dim
+    s = cache.add_sequence()
+    k, v = rng.standard_normal((2, seq_len, 1, d), dtype=np.float32)
+    old = seq_len - new
+    cache.store(0, cache.append([s], [old]), k[:old], v[:old])
+    batch = cache.append([s], [new])
+    cache.store(0, batch, k[old:], v[old:])
+    q = rng.standard_normal((new, num_heads, d), dtype=np.float32)
+    return cache.attention(0, batch, q), dense_attention(q, k, v, np.arange(old, seq_len)), batch
+
+
+@needs_opencl
+def test_long_context_on_the_cpu_layout_matches_reference(cl_device):
+    # 64 query rows over 1,500 keys: one work-item of the CPU layout would run
+    # ~450,000 loop iterations over them, 7x what llvmpipe allows
+    cache = opencl_cache(cl_device, 1, 128, num_pages=100, backend_options=layout_options("cpu"))
+    out, expected, batch = attend_at_the_end(cache, 6, 1500, 64, 1)
+    assert batch._tables.plan(None, 1, None).num_parts > 1
+    np.testing.assert_allclose(out, expected, **TOLERANCE["float32"])
+
+
 # -- split-K -------------------------------------------------------------------------------
 
 @needs_opencl
-def test_split_k_long_decode_matches_reference():
-    rng = np.random.default_rng(3)
-    cache = opencl_cache(1, 64, num_pages=320)
-    s = cache.add_sequence()
-    k, v = rng.standard_normal((2, 5000, 1, 64), dtype=np.float32)
-    batch = cache.append([s], [4999])
-    cache.store(0, batch, k[:4999], v[:4999])
-    batch = cache.append([s], [1])
-    cache.store(0, batch, k[4999:], v[4999:])
-    q = rng.standard_normal((1, 4, 64), dtype=np.float32)
-    out = cache.attention(0, batch, q)
+@pytest.mark.parametrize("layout", KINDS)
+def test_split_k_long_decode_matches_reference(cl_device, layout):
+    cache = opencl_cache(cl_device, 1, 64, num_pages=320, backend_options=layout_options(layout))
+    out, expected, batch = attend_at_the_end(cache, 3, 5000, 1, 4)
     plan = batch._tables.plan(None, 4, None)
     assert plan.num_segments == 1 and plan.num_parts > 1      # split, then merged
-    np.testing.assert_allclose(out, dense_attention(q, k, v, [4999]), **TOLERANCE["float32"])
-
-
-@needs_opencl
-def test_split_k_part_that_some_queries_cannot_see():
-    # page_size 1024: a 64-row chunk at positions 986..1049 gets key parts
-    # [0, 1024) and [1024, 1050); rows before 1024 see nothing of the second
-    rng = np.random.default_rng(4)
-    cache = opencl_cache(1, 32, num_pages=4, page_size=1024)
-    s = cache.add_sequence()
-    k, v = rng.standard_normal((2, 1050, 1, 32), dtype=np.float32)
-    batch = cache.append([s], [986])
-    cache.store(0, batch, k[:986], v[:986])
-    batch = cache.append([s], [64])
-    cache.store(0, batch, k[986:], v[986:])
-    q = rng.standard_normal((64, 1, 32), dtype=np.float32)
-    out = cache.attention(0, batch, q)
-    assert batch._tables.plan(None, 1, None).num_segments >= 1
-    expected = dense_attention(q, k, v, np.arange(986, 1050))
     np.testing.assert_allclose(out, expected, **TOLERANCE["float32"])
 
 
 @needs_opencl
-def test_group_larger_than_a_work_group_holds():
+@pytest.mark.parametrize("layout", KINDS)
+def test_split_k_part_that_some_queries_cannot_see(cl_device, layout):
+    # page_size 1024: a 64-row chunk at positions 986..1049 gets key parts
+    # [0, 1024) and [1024, 1050); rows before 1024 see nothing of the second
+    cache = opencl_cache(cl_device, 1, 32, num_pages=4, page_size=1024,
+                         backend_options=layout_options(layout))
+    out, expected, batch = attend_at_the_end(cache, 4, 1050, 64, 1)
+    assert batch._tables.plan(None, 1, None).num_segments >= 1
+    np.testing.assert_allclose(out, expected, **TOLERANCE["float32"])
+
+
+@needs_opencl
+def test_group_larger_than_a_work_group_holds(cl_device):
     # 1 KV head, 128 query heads: more than max_queries, so the group is cut
     rng = np.random.default_rng(5)
-    cache = opencl_cache(1, 16)
+    cache = opencl_cache(cl_device, 1, 16)
     s = cache.add_sequence()
     k, v = rng.standard_normal((2, 9, 1, 16), dtype=np.float32)
     q = rng.standard_normal((9, 128, 16), dtype=np.float32)
@@ -358,10 +504,22 @@ def test_group_larger_than_a_work_group_holds():
 
 # -- pyopencl arrays -----------------------------------------------------------------------
 
+class _NoFloat64:
+    """A device as the backend sees it, without cl_khr_fp64 (llvmpipe, Apple, Intel Arc)."""
+
+    def __init__(self, device):
+        self._device = device
+        self.extensions = " ".join(e for e in device.extensions.split() if e != "cl_khr_fp64")
+
+    def __getattr__(self, name):
+        return getattr(self._device, name)
+
+
 @needs_opencl
 class TestPyOpenCLArrays:
-    def setup_method(self):
-        self.cache = opencl_cache(2, 32)
+    @pytest.fixture(autouse=True)
+    def _cache(self, cl_device):
+        self.cache = opencl_cache(cl_device, 2, 32)
         self.backend = self.cache._backend
         self.rng = np.random.default_rng(9)
 
@@ -386,6 +544,8 @@ class TestPyOpenCLArrays:
 
     @pytest.mark.parametrize("dtype", [np.float16, np.float64])
     def test_other_float_dtypes_convert_on_the_device(self, dtype):
+        if dtype == np.float64 and "cl_khr_fp64" not in self.backend.device.extensions:
+            pytest.skip(f"{self.backend.device.name.strip()} lacks cl_khr_fp64")
         s = self.cache.add_sequence()
         batch = self.cache.append([s], [6])
         k, v = self.rng.standard_normal((2, 6, 2, 32)).astype(dtype)
@@ -396,6 +556,15 @@ class TestPyOpenCLArrays:
         q = self.rng.standard_normal((6, 4, 32)).astype(dtype)
         out = self.cache.attention(0, batch, self.device(q, dtype))
         np.testing.assert_array_equal(out.get(), self.cache.attention(0, batch, q))
+
+    def test_float64_without_cl_khr_fp64_is_refused(self, monkeypatch):
+        s = self.cache.add_sequence()
+        batch = self.cache.append([s], [3])
+        kv = self.device(np.ones((3, 2, 32)), np.float64)
+        monkeypatch.setattr(self.backend, "device", _NoFloat64(self.backend.device))
+        with pytest.raises(TypeError, match="k: a float64 pyopencl array needs a device with "
+                                            "cl_khr_fp64"):
+            self.cache.store(0, batch, kv, kv)
 
     def test_views_with_an_offset(self):
         s = self.cache.add_sequence()
@@ -409,7 +578,10 @@ class TestPyOpenCLArrays:
     def test_bad_arrays(self):
         s = self.cache.add_sequence()
         batch = self.cache.append([s], [4])
-        other = cl.CommandQueue(cl.Context([self.backend.device]))
+        # keep the context referenced: a queue alone does not keep every driver's
+        # context alive (Intel's frees it: INVALID_CONTEXT)
+        other_context = cl.Context([self.backend.device])
+        other = cl.CommandQueue(other_context)
         foreign = cl_array.zeros(other, (4, 2, 32), np.float32)
         with pytest.raises(ValueError, match="k: the pyopencl array lives in another OpenCL"):
             self.cache.store(0, batch, foreign, foreign)
@@ -423,8 +595,8 @@ class TestPyOpenCLArrays:
 # -- odd sizes -----------------------------------------------------------------------------
 
 @needs_opencl
-def test_nothing_to_do_launches_nothing():
-    cache = opencl_cache()
+def test_nothing_to_do_launches_nothing(cl_device):
+    cache = opencl_cache(cl_device)
     s = cache.add_sequence()
     batch = cache.append([s], [0])
     empty = np.zeros((0, 2, 32), dtype=np.float32)
@@ -439,25 +611,25 @@ def test_nothing_to_do_launches_nothing():
 
 
 @needs_opencl
-def test_memory_bytes_and_pool_limits():
-    cache = opencl_cache(2, 32, num_layers=3, num_pages=10, page_size=8, dtype="float16")
+def test_memory_bytes_and_pool_limits(cl_device):
+    cache = opencl_cache(cl_device, 2, 32, num_layers=3, num_pages=10, page_size=8, dtype="float16")
     assert cache.memory_bytes == 2 * 3 * 10 * 2 * 8 * 32 * 2
     device = cache._backend.device
     too_many = device.max_mem_alloc_size // (2 * 8 * 32 * 4) + 1
     with pytest.raises(MemoryError, match="num_pages: .* use fewer pages"):
-        opencl_cache(2, 32, num_pages=too_many, page_size=8)
+        opencl_cache(cl_device, 2, 32, num_pages=too_many, page_size=8)
 
 
 @needs_opencl
-def test_program_and_context_caches_can_be_cleared():
+def test_program_and_context_caches_can_be_cleared(cl_device):
     from pagedkv.backends import _opencl_program
-    first = opencl_cache()._backend
+    first = opencl_cache(cl_device)._backend
     _opencl_program.clear_program_cache()
     _opencl_device.clear_context_cache()
     assert not _opencl_program._programs
-    second = opencl_cache()._backend
+    second = opencl_cache(cl_device)._backend
     assert second.context is not first.context and _opencl_program._programs
-    h = opencl_cache()
+    h = opencl_cache(cl_device)
     s = h.add_sequence()
     batch = h.append([s], 3)
     k = np.ones((3, 2, 32), np.float32)

@@ -3,16 +3,23 @@
 Selection order (first that applies):
 
 1. ``device=`` given to ``PagedKVCache``: a ``pyopencl.Device``, a
-   ``pyopencl.Context``, or a ``"P:D"`` string (platform index : device index,
-   as ``clinfo -l`` and ``PYOPENCL_CTX`` count them);
-2. ``$PAGEDKV_DEVICE``, a ``"P:D"`` string;
+   ``pyopencl.Context``, or a string: ``"P:D"`` (platform index : device
+   index, as ``clinfo -l`` and ``PYOPENCL_CTX`` count them), or a name,
+   ``"name:TEXT"`` or plain ``"TEXT"``: the first device whose platform name,
+   platform version or device name contains ``TEXT`` (case-insensitive), e.g.
+   ``"name:pthread"``, ``"PoCL 3.1"``, ``"rusticl"``.  Indices move when
+   another OpenCL implementation is installed; names do not;
+2. ``$PAGEDKV_DEVICE``, a string as above;
 3. ``$PYOPENCL_CTX``, pyopencl's own selector (via ``create_some_context``);
-4. the first GPU of any platform, else the first device of any kind.
+4. the first GPU of any platform, else the first accelerator, else the first
+   CPU; a device that claims several kinds at once (the Oclgrind simulator
+   says GPU, CPU and accelerator) only when nothing else exists.
 
 pyopencl is imported lazily everywhere here, so this module imports (and
 ``unavailable_reason`` answers) on a machine without it.
 """
 import os
+import re
 
 from pagedkv.errors import ArgumentTypeError, BackendUnavailableError
 
@@ -60,7 +67,8 @@ def has_preferred_device():
     """Whether ``backend="auto"`` should take opencl (call only when it is available).
 
     Yes when ``$PAGEDKV_DEVICE`` or ``$PYOPENCL_CTX`` names a device, or when a
-    GPU or accelerator exists.  A machine whose only OpenCL device is a CPU
+    GPU or an accelerator exists (a simulator that claims every kind does
+    not count).  A machine whose only OpenCL device is a CPU
     driver (PoCL) runs the host backend's own kernels faster on the same
     cores (see the README's figures), so auto takes host there.  The device
     scan is cached for the process, like ``unavailable_reason``.
@@ -70,7 +78,7 @@ def has_preferred_device():
         return True
     if _preferred is _UNSET:
         import pyopencl as cl
-        _preferred = any(not device.type & cl.device_type.CPU
+        _preferred = any(_preference(cl, device) < _KINDS.index("CPU")
                          for _, _, device in _all_devices(cl))
     return _preferred
 
@@ -119,34 +127,93 @@ def describe_devices():
         return f"  (none: {exc})"
     if not devices:
         return "  (none)"
-    return "\n".join(f"  {p}:{d}  {dev.platform.name.strip()} / {dev.name.strip()} "
-                     f"({_kind(cl, dev)})" for p, d, dev in devices)
+    return "\n".join(f"  {p}:{d}  {device_label(dev)} ({_kind(cl, dev)})"
+                     for p, d, dev in devices)
+
+
+def device_label(device):
+    """``"platform / device [platform version]"``: what a device name is matched against."""
+    platform = device.platform
+    return f"{platform.name.strip()} / {device.name.strip()} [{platform.version.strip()}]"
+
+
+_KINDS = ("GPU", "ACCELERATOR", "CPU")
+
+
+def _kinds(cl, device):
+    """The kinds among GPU, accelerator and CPU that ``device`` claims."""
+    return [kind for kind in _KINDS if device.type & getattr(cl.device_type, kind)]
+
+
+def is_simulator(cl, device):
+    """Whether ``device`` claims several kinds at once, as simulators do (Oclgrind)."""
+    return len(_kinds(cl, device)) > 1
+
+
+def _preference(cl, device):
+    """Sort key of the automatic choice: a GPU, an accelerator, a CPU, then the rest."""
+    kinds = _kinds(cl, device)
+    return _KINDS.index(kinds[0]) if len(kinds) == 1 else len(_KINDS)
 
 
 def _kind(cl, device):
-    for flag, word in ((cl.device_type.GPU, "GPU"), (cl.device_type.CPU, "CPU"),
-                       (cl.device_type.ACCELERATOR, "accelerator")):
-        if device.type & flag:
-            return word
-    return "other"
+    kinds = _kinds(cl, device)
+    return "+".join(k if k != "ACCELERATOR" else "accelerator" for k in kinds) or "other"
 
 
-def _parse_index(text, what):
-    """The Device that a ``"P:D"`` string names; ValueError naming ``what`` otherwise."""
+_INDEX = re.compile(r"\s*(\d+)\s*:\s*(\d+)\s*")
+
+
+def find_device(text, what):
+    """The Device that ``text`` names: ``"P:D"``, ``"name:TEXT"`` or a name ``TEXT``.
+
+    A name matches a device whose platform name, platform version or device
+    name contains it, ignoring case; the first match in platform and device
+    order wins (:func:`find_devices` returns them all).
+
+    Raises
+    ------
+    ValueError
+        ``text`` names no device (or is empty, or looks like a malformed
+        index); the message starts with ``what`` and lists the devices.
+    """
+    return find_devices(text, what)[0]
+
+
+def find_devices(text, what):
+    """Every Device that ``text`` names, in platform and device order; see :func:`find_device`."""
     import pyopencl as cl
-    parts = text.strip().split(":")
-    devices = {(p, d): dev for p, d, dev in _all_devices(cl)}
-    try:
-        key = (int(parts[0]), int(parts[1])) if len(parts) == 2 else None
-    except ValueError:
-        key = None
-    if key is None:
-        raise ValueError(f"{what}: expected a 'P:D' string (platform index : device index), "
-                         f"got {text!r}; available devices:\n{describe_devices()}")
-    if key not in devices:
-        raise ValueError(f"{what}: no OpenCL device {text!r}; available devices:\n"
-                         f"{describe_devices()}")
-    return devices[key]
+    devices = _all_devices(cl)
+    listing = f"available devices:\n{describe_devices()}"
+    index = _INDEX.fullmatch(text)
+    if index:
+        key = (int(index.group(1)), int(index.group(2)))
+        found = [dev for p, d, dev in devices if (p, d) == key]
+        if not found:
+            raise ValueError(f"{what}: no OpenCL device {text!r}; {listing}")
+        return found
+    name = text.strip()
+    if name.lower().startswith("name:"):
+        name = name[len("name:"):].strip()
+    elif re.fullmatch(r"[\d:\s]*", name):     # "", "0", "1:2:3": an index gone wrong
+        name = ""
+    if not name:
+        raise ValueError(f"{what}: expected 'P:D' (platform index : device index), "
+                         f"'name:TEXT' or a device name, got {text!r}; {listing}")
+    found = [dev for _, _, dev in devices if name.casefold() in device_label(dev).casefold()]
+    if not found:
+        raise ValueError(f"{what}: no OpenCL device matches {text!r} (by platform name, "
+                         f"platform version or device name); {listing}")
+    return found
+
+
+def device_index(device):
+    """The ``"P:D"`` string of ``device`` in this process's platform and device order."""
+    import pyopencl as cl
+    for p, d, dev in _all_devices(cl):
+        if dev == device:
+            return f"{p}:{d}"
+    raise ValueError(f"device: {device_label(device)} is not among the devices pyopencl lists")
 
 
 def clear_context_cache():
@@ -172,7 +239,7 @@ def select_device(device=None):
     Raises
     ------
     ValueError
-        A malformed or unknown ``"P:D"`` string (in ``device`` or ``$PAGEDKV_DEVICE``).
+        A string (in ``device`` or ``$PAGEDKV_DEVICE``) that names no device.
     ArgumentTypeError
         ``device`` of another type.
     """
@@ -182,14 +249,14 @@ def select_device(device=None):
     if isinstance(device, cl.Device):
         return context_for_device(device), device
     if isinstance(device, str):
-        dev = _parse_index(device, "device")
+        dev = find_device(device, "device")
         return context_for_device(dev), dev
     if device is not None:
-        raise ArgumentTypeError(f"device: expected a pyopencl Device or Context or a 'P:D' "
-                                f"string, got {type(device).__name__}")
+        raise ArgumentTypeError(f"device: expected a pyopencl Device or Context, or a 'P:D' "
+                                f"or name string, got {type(device).__name__}")
     env = os.environ.get("PAGEDKV_DEVICE", "").strip()
     if env:
-        dev = _parse_index(env, "PAGEDKV_DEVICE")
+        dev = find_device(env, "PAGEDKV_DEVICE")
         return context_for_device(dev), dev
     if os.environ.get("PYOPENCL_CTX", "").strip():
         # pyopencl's own syntax ("P:D", "P", name fragments).  Keep only its
@@ -203,6 +270,5 @@ def select_device(device=None):
     devices = [dev for _, _, dev in _all_devices(cl)]
     if not devices:
         raise BackendUnavailableError(f"pyopencl found no OpenCL device; {INSTALL_HINT}")
-    gpus = [dev for dev in devices if dev.type & cl.device_type.GPU]
-    dev = (gpus or devices)[0]
+    dev = min(devices, key=lambda dev: _preference(cl, dev))   # min keeps the first of ties
     return context_for_device(dev), dev

@@ -8,6 +8,13 @@ or less local memory gets smaller values (down to 1), not a failure.
 """
 import numpy as np
 
+#: Most loop iterations one work-item may run for one attention work item or
+#: merge, summed over every loop (unrolled loops do not count).  llvmpipe
+#: (Mesa's rusticl on a CPU) ends a work-item after 65,535 of them, silently
+#: (its rows come out wrong); a GPU's watchdog ends long-running kernels.
+#: Half of llvmpipe's limit leaves room for the model below being approximate.
+MAX_WORK_ITEM_ITERATIONS = 1 << 15
+
 
 def _floor_pow2(n):
     return 1 << (max(int(n), 1).bit_length() - 1)
@@ -36,6 +43,9 @@ class KernelLayout:
 
     Attributes
     ----------
+    kind : {"cpu", "gpu"}
+        Whose defaults the other attributes start from: ``"gpu"`` when the
+        device reports the GPU bit (or is no CPU), else ``"cpu"``.
     work_group_size : int
         Work-items per work-group: a power of two within the device's limits.
     vector_width : int
@@ -55,12 +65,21 @@ class KernelLayout:
     """
 
     #: The attributes ``**overrides`` may force.
-    OVERRIDABLE = ("work_group_size", "vector_width", "column_tile", "query_tile", "key_tile",
-                   "chunk", "max_queries", "stage_k", "stage_v")
+    OVERRIDABLE = ("kind", "work_group_size", "vector_width", "column_tile", "query_tile",
+                   "key_tile", "chunk", "max_queries", "stage_k", "stage_v",
+                   "merge_work_group_size", "max_work_item_iterations")
 
     def __init__(self, device, head_dim, **overrides):
         import pyopencl as cl
-        is_cpu = bool(device.type & cl.device_type.CPU)
+        # The GPU shape whenever the device says GPU, even if it says CPU as well
+        # (Oclgrind says both): it is the one whose work spreads over work-items.
+        kind = "gpu" if device.type & cl.device_type.GPU or \
+            not device.type & cl.device_type.CPU else "cpu"
+        self.kind = overrides.get("kind", kind)
+        if self.kind not in ("cpu", "gpu"):
+            raise ValueError(f"backend_options: layout: kind must be 'cpu' or 'gpu', "
+                             f"got {self.kind!r}")
+        is_cpu = self.kind == "cpu"
         limit = min(device.max_work_group_size, device.max_work_item_sizes[0])
         self.head_dim = head_dim
         self.work_group_size = _floor_pow2(
@@ -78,6 +97,12 @@ class KernelLayout:
                                self.query_tile)
         self.stage_k = overrides.get("stage_k", True)
         self.stage_v = overrides.get("stage_v", True)
+        # the merge spreads a query block's vectors over work-items, even on a CPU,
+        # so that its loop over parts may be long
+        self.merge_work_group_size = _floor_pow2(min(
+            overrides.get("merge_work_group_size", max(self.work_group_size, 256)), limit))
+        self.max_work_item_iterations = int(
+            overrides.get("max_work_item_iterations", MAX_WORK_ITEM_ITERATIONS))
         # Output accumulators live in registers (GPU) or per-work-item memory
         # (CPU): at most this many floats of them per work-item.
         acc_floats = 8192 if is_cpu else 64
@@ -113,6 +138,67 @@ class KernelLayout:
         staged = 4 * self.chunk * self.head_dim * (self.stage_k + self.stage_v)
         return staged + 4 * self.max_queries * self.chunk + 12 * self.chunk + 16 * self.max_queries
 
+    # -- bounded work per work-item -----------------------------------------------
+    def _per_item(self, n, width=None):
+        """Iterations of a loop that shares ``n`` things out over a work-group."""
+        width = width or self.work_group_size
+        return -(-np.asarray(n, dtype=np.int64) // width)
+
+    def attention_iterations(self, num_queries, num_keys):
+        """Loop iterations of the busiest work-item of one attention work item.
+
+        A model of ``paged_attention``'s loops (``opencl/attention.cl``),
+        counting every iteration of a loop that is not unrolled at build
+        time, for ``num_queries`` queries (rows x heads of the head group)
+        over ``num_keys`` keys; it counts every chunk as full.  Vectorized
+        over arrays of either argument.
+        """
+        nq = np.asarray(num_queries, dtype=np.int64)
+        chunks = -(-np.asarray(num_keys, dtype=np.int64) // self.chunk)
+        vectors = self.head_dim // self.vector_width
+        query_blocks = -(-nq // self.query_tile)
+        out_per_item = -(-(self.max_queries // self.query_tile) * (vectors // self.column_tile)
+                         // self.work_group_size)
+        # output tiles: a fixed, unrolled loop when few (only its key loops count)
+        out_tiles = self._per_item(query_blocks * (vectors // self.column_tile))
+        out_loop = np.minimum(out_tiles, out_per_item) if out_per_item <= 8 else out_tiles
+        out_head = 0 if out_per_item <= 8 else 1
+        staged = self.stage_k or self.stage_v
+        per_chunk = (1 + self._per_item(self.chunk)
+                     + (self._per_item(self.chunk * self.split) if staged else 0)
+                     + self._per_item(query_blocks * (self.chunk // self.key_tile)) * (1 + vectors)
+                     + self._per_item(nq) * (self.softmax_width + 2 * (self.chunk // self.softmax_width) + 1)
+                     + out_loop * (out_head + self.chunk))
+        prologue = self._per_item(nq) + (out_per_item if out_per_item > 8 else 0)
+        epilogue = out_loop + self._per_item(nq)
+        return prologue + chunks * per_chunk + epilogue
+
+    def merge_iterations(self, num_queries, num_parts):
+        """Loop iterations of the busiest work-item of ``merge_partials`` for one segment."""
+        vectors = self.head_dim // self.vector_width
+        elements = self._per_item(np.asarray(num_queries, np.int64) * vectors,
+                                  self.merge_work_group_size)
+        return elements * (1 + 2 * np.asarray(num_parts, dtype=np.int64))
+
+    def max_item_keys(self, num_queries):
+        """Most keys one attention work item of ``num_queries`` queries may cover.
+
+        A multiple of ``chunk`` (at least one chunk) whose
+        :meth:`attention_iterations` stay within ``max_work_item_iterations``.
+        """
+        one = self.attention_iterations(num_queries, self.chunk)
+        two = self.attention_iterations(num_queries, 2 * self.chunk)
+        per_chunk = np.maximum(two - one, 1)
+        fixed = one - per_chunk
+        chunks = (self.max_work_item_iterations - fixed) // per_chunk
+        return np.maximum(chunks, 1) * self.chunk
+
+    def max_parts(self, num_queries):
+        """Most split-K parts one merge of ``num_queries`` queries may combine (at least 2)."""
+        per_part = self.merge_iterations(num_queries, 1) - self.merge_iterations(num_queries, 0)
+        fixed = self.merge_iterations(num_queries, 0)
+        return np.maximum((self.max_work_item_iterations - fixed) // np.maximum(per_part, 1), 2)
+
     @property
     def split(self):
         """Work-items that share the copy of one staged row: a divisor of its vectors."""
@@ -131,7 +217,13 @@ class KernelLayout:
             f"-DPKV_CHUNK={self.chunk}", f"-DPKV_QB={self.query_tile}",
             f"-DPKV_TB={self.key_tile}", f"-DPKV_CB={self.column_tile}",
             f"-DPKV_STAGE_K={int(self.stage_k)}", f"-DPKV_STAGE_V={int(self.stage_v)}",
-            f"-DPKV_SPLIT={self.split}", f"-DPKV_SW={self.softmax_width}", "-cl-mad-enable")
+            f"-DPKV_SPLIT={self.split}", f"-DPKV_SW={self.softmax_width}",
+            f"-DPKV_MERGE_WG={self.merge_work_group_size}",
+            # -cl-mad-enable only: never -cl-fast-relaxed-math or -cl-finite-math-only.
+            # The kernels use -INFINITY as the "no key yet" max and mask with it,
+            # which finite-math lets a compiler assume away (Intel's then warns
+            # and computes wrong rows); the results must not depend on it.
+            "-cl-mad-enable")
 
     def storage_options(self, dtype):
         """Build options of ``opencl/pkv_common.h`` (all that ``kv_pages.cl`` needs)."""

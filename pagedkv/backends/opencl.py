@@ -72,7 +72,9 @@ class _Plan:
             tables.query_start, tables.seq_lens, num_kv_heads=self.num_groups,
             page_size=backend.page_size, rows_per_block=max(1, layout.max_queries // self.group),
             target_items=_ITEMS_PER_COMPUTE_UNIT * backend.device.max_compute_units,
-            min_part_tokens=_MIN_PART_TOKENS, sliding_window=sliding_window)
+            min_part_tokens=_MIN_PART_TOKENS, sliding_window=sliding_window,
+            max_part_keys=lambda rows: layout.max_item_keys(rows * self.group),
+            max_parts=lambda rows: layout.max_parts(rows * self.group))
         counts = np.diff(item_offsets)
         split = counts > 1
         self.num_items = len(items)
@@ -184,10 +186,14 @@ class OpenCLBackend(Backend):
             self._k_attention = attention["paged_attention"]
             self._k_merge = attention["merge_partials"]
             # a register-hungry kernel may allow fewer work-items than the device does
-            fits = min(k.work_group_limit(self.device) for k in (self._k_attention, self._k_merge))
-            if fits >= self.layout.work_group_size:
+            fits = self._k_attention.work_group_limit(self.device)
+            merge_fits = self._k_merge.work_group_limit(self.device)
+            if fits >= self.layout.work_group_size and \
+                    merge_fits >= self.layout.merge_work_group_size:
                 break
-            overrides = dict(overrides, work_group_size=_floor_pow2(fits))
+            overrides = dict(overrides, work_group_size=_floor_pow2(
+                min(fits, self.layout.work_group_size)), merge_work_group_size=_floor_pow2(
+                min(merge_fits, self.layout.merge_work_group_size)))
         pages = build_program(self.context, "kv_pages.cl", self.layout.storage_options(self.dtype))
         self._k_scatter = pages["scatter_kv"]
         self._k_gather = pages["gather_kv"]
@@ -362,8 +368,9 @@ class OpenCLBackend(Backend):
             soft_cap=spec.logits_soft_cap or 0.0, out=out, part_acc=part_acc,
             part_max=part_max, part_sum=part_sum, **variant)]
         if plan.num_segments:
+            mwg = self.layout.merge_work_group_size
             events.append(self._k_merge(
-                self.queue, (plan.num_segments * wg,), (wg,),
+                self.queue, (plan.num_segments * mwg,), (mwg,),
                 items=plan.items, seg_items=plan.seg_items, seg_parts=plan.seg_parts,
                 part_acc=part_acc, part_max=part_max, part_sum=part_sum, group=plan.group,
                 num_groups=plan.num_groups, out=out, **variant))

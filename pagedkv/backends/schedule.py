@@ -26,7 +26,8 @@ ITEM = work_item_fields()
 
 
 def plan_attention(query_start, seq_lens, *, num_kv_heads, page_size, rows_per_block,
-                   target_items, min_part_tokens, heads_per_item=1, sliding_window=None):
+                   target_items, min_part_tokens, heads_per_item=1, sliding_window=None,
+                   max_part_keys=None, max_parts=None):
     """Plan the work items of one step.
 
     Parameters
@@ -45,6 +46,14 @@ def plan_attention(query_start, seq_lens, *, num_kv_heads, page_size, rows_per_b
     sliding_window : int, optional
         The row at position ``p`` sees positions ``max(0, p - W + 1) .. p``;
         default: all of ``0 .. p`` (causal).
+    max_part_keys : callable, optional
+        ``max_part_keys(rows)``: for an array of block row counts, the most
+        keys one item of such a block may cover; longer key ranges are split
+        (even when the device is full), so that an item's work is bounded
+        whatever the context length.  Default: no bound.
+    max_parts : callable, optional
+        ``max_parts(rows)``: the most parts a merge may combine; a key range
+        that would need more gets longer parts instead.  Default: no bound.
 
     Returns
     -------
@@ -80,6 +89,15 @@ def plan_attention(query_start, seq_lens, *, num_kv_heads, page_size, rows_per_b
         parts = np.clip(span // max(min_part_tokens, 1), 1, wanted)
     part_len = -(-span // parts)
     part_len = -(-part_len // page_size) * page_size
+    if max_part_keys is not None:
+        cap = np.maximum(np.asarray(max_part_keys(rows), dtype=np.int64), 1)
+        cap = np.where(cap >= page_size, cap // page_size * page_size, cap)  # whole pages if it can
+        if max_parts is not None:
+            # one part fewer than the merge takes: the count below may add one
+            most = np.maximum(np.asarray(max_parts(rows), dtype=np.int64) - 1, 1)
+            cap = np.maximum(cap, -(-span // most))
+        part_len = np.minimum(part_len, cap)
+    part_len = np.maximum(part_len, 1)
     # parts start on page boundaries, counted from the page of the first key
     base = key_begin // page_size * page_size
     parts = -(-(key_end - base) // part_len)

