@@ -19,10 +19,11 @@ from pagedkv.backends import available_backends
 from pagedkv.cache import Checkpoint, PagedKVCache, StepBatch
 from pagedkv.errors import (ArgumentTypeError, BackendUnavailableError, OutOfPagesError,
                             UnknownSequenceError)
-
-__version__ = "0.1.0"
+from pagedkv._config import show_config
+from pagedkv._version import __version__  # noqa: F401  (public: pagedkv.__version__)
 
 __all__ = [
     "ArgumentTypeError", "BackendUnavailableError", "Checkpoint", "OutOfPagesError",
     "PagedKVCache", "StepBatch", "UnknownSequenceError", "available_backends",
+    "show_config",
 ]

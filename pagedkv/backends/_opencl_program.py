@@ -12,7 +12,7 @@ import re
 from pathlib import Path
 
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([\w.]+)"\s*$', re.MULTILINE)
-_programs = {}   # (Context, file name, options, text) -> built pyopencl.Program
+_programs: dict = {}   # (Context, file name, options, text) -> built pyopencl.Program
 
 
 class KernelBuildError(RuntimeError):

@@ -10,6 +10,7 @@ backend may assume well-formed input:
 * page ids, slots and tables: produced by :class:`pagedkv._page_table.PageTables`.
 """
 from dataclasses import dataclass, field
+from typing import Optional
 
 import numpy as np
 
@@ -44,7 +45,7 @@ class StepTables:
 class Backend:
     """What a backend provides.  Subclasses implement every method below."""
 
-    name = None
+    name: Optional[str] = None
 
     @classmethod
     def unavailable_reason(cls):
@@ -66,7 +67,7 @@ class Backend:
         raise NotImplementedError
 
     #: Array types besides numpy that ``store`` and ``attention`` accept.
-    array_types = ()
+    array_types: tuple = ()
 
     def prepare_step(self, tables):
         """Called once per ``append`` with its :class:`StepTables` (e.g. to upload them)."""

@@ -27,7 +27,7 @@ from pagedkv.errors import ArgumentTypeError, BackendUnavailableError
 try:  # for array_types only; the rest imports pyopencl when a backend is made
     import pyopencl.array as _cl_array
 except Exception:  # pyopencl missing or broken: unavailable_reason() says how to fix it
-    _cl_array = None
+    _cl_array = None  # type: ignore[assignment]
 
 ITEM_FIELDS = 8          # opencl/attention.cl: seq, group, row0, row1, key0, key1, part, unused
 _ITEM_PART = 6
@@ -40,7 +40,7 @@ _ITEMS_PER_COMPUTE_UNIT = 8
 _COPY_WORK_GROUP = 64
 # KernelLayout attributes to force in every new backend (tests run the GPU
 # layout on a CPU device with it).
-LAYOUT_OVERRIDES = {}
+LAYOUT_OVERRIDES: dict = {}
 
 
 class _Plan:
@@ -304,7 +304,7 @@ class OpenCLBackend(Backend):
                 x.add_event(event)   # the caller's later writes to x wait for this read
 
     def attention(self, layer, tables, q, scale):
-        num_tokens, num_heads = q.shape[0], q.shape[1]
+        num_heads = q.shape[1]
         native = self.is_native(q)
         key = ("opencl_plan", num_heads)
         if key not in tables.cache:
