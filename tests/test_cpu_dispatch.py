@@ -143,25 +143,34 @@ def test_every_level_of_the_architecture_is_built():
 def check_probe(inputs, outputs):
     """Assert that ``cpu_probe.run``'s outputs are what NumPy computes from ``inputs``."""
     for dtype, head_dim in cpu_probe.CASES:
-        key = lambda name: cpu_probe.key(dtype, head_dim, name)  # noqa: E731
-        seq_k = [np.zeros((0, cpu_probe.NUM_KV_HEADS, head_dim), np.float32) for _ in range(2)]
-        seq_v = [a.copy() for a in seq_k]
-        for i, counts in enumerate(cpu_probe.STEPS):
-            q, k, v = (inputs[key(f"step{i}_{x}")] for x in "qkv")
-            k, v = round_to_storage(k, dtype), round_to_storage(v, dtype)
-            starts = np.concatenate([[0], np.cumsum(counts)])
-            for b, (r0, r1) in enumerate(zip(starts[:-1], starts[1:])):
-                done = len(seq_k[b])
-                seq_k[b] = np.concatenate([seq_k[b], k[r0:r1]])
-                seq_v[b] = np.concatenate([seq_v[b], v[r0:r1]])
-                expected = dense_attention(q[r0:r1], seq_k[b], seq_v[b],
-                                           done + np.arange(r1 - r0))
-                np.testing.assert_allclose(outputs[key(f"step{i}_out")][r0:r1], expected,
-                                           err_msg=f"{dtype} D={head_dim} step {i} seq {b}",
-                                           **TOLERANCE[dtype])
-        for b in range(2):
-            np.testing.assert_array_equal(outputs[key(f"gather_k{b}")], seq_k[b])
-            np.testing.assert_array_equal(outputs[key(f"gather_v{b}")], seq_v[b])
+        check_case(dtype, head_dim, inputs, outputs)
+
+
+def check_case(dtype, head_dim, inputs, outputs):
+    """One case of ``check_probe``."""
+    def given(name):
+        return inputs[cpu_probe.key(dtype, head_dim, name)]
+
+    def got(name):
+        return outputs[cpu_probe.key(dtype, head_dim, name)]
+
+    seq_k = [np.zeros((0, cpu_probe.NUM_KV_HEADS, head_dim), np.float32) for _ in range(2)]
+    seq_v = [a.copy() for a in seq_k]
+    for i, counts in enumerate(cpu_probe.STEPS):
+        q, k, v = (given(f"step{i}_{x}") for x in "qkv")
+        k, v = round_to_storage(k, dtype), round_to_storage(v, dtype)
+        starts = np.concatenate([[0], np.cumsum(counts)])
+        for b, (r0, r1) in enumerate(zip(starts[:-1], starts[1:])):
+            done = len(seq_k[b])
+            seq_k[b] = np.concatenate([seq_k[b], k[r0:r1]])
+            seq_v[b] = np.concatenate([seq_v[b], v[r0:r1]])
+            expected = dense_attention(q[r0:r1], seq_k[b], seq_v[b], done + np.arange(r1 - r0))
+            np.testing.assert_allclose(got(f"step{i}_out")[r0:r1], expected,
+                                       err_msg=f"{dtype} D={head_dim} step {i} seq {b}",
+                                       **TOLERANCE[dtype])
+    for b in range(2):
+        np.testing.assert_array_equal(got(f"gather_k{b}"), seq_k[b])
+        np.testing.assert_array_equal(got(f"gather_v{b}"), seq_v[b])
 
 
 def run_probe(tmp_path, prefix=(), env=None):
