@@ -90,6 +90,10 @@ if sys.platform != "win32":
     # -ffast-math, which would also flush denormals for the whole process.
     compile_args += ["-fno-math-errno", "-fno-trapping-math", "-fassociative-math",
                      "-fno-signed-zeros"]
+    # GCC's note that passing 32-byte vectors changed ABI in GCC 4.6: pkv_simd.h
+    # passes them only between its static functions, in the baseline build
+    if _compiler_accepts(["-Werror", "-Wno-psabi"]):
+        compile_args.append("-Wno-psabi")
     if _compiler_accepts(["-fopenmp-simd"]):
         compile_args.append("-fopenmp-simd")
     if _compiler_accepts(["-fopenmp"]):
@@ -170,7 +174,14 @@ def kernel_extension(level):
                extra_args=level.flags)
 
 
+def _build_jobs():
+    """Compiler processes at once: one per core (the kernel levels compile side by side)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, cores or 1)
+
+
 setup(
+    options={"build_ext": {"parallel": _build_jobs()}},
     ext_modules=cythonize(
         [ext("_allocator"), ext("_page_table", "c++"), ext("_cpuid")]
         + [kernel_extension(level) for level in kernel_levels()],
