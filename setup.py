@@ -77,10 +77,7 @@ def _target_arch():
     if len(archs) > 1:
         return "universal2"
     machine = archs[0] if archs else sysconfig.get_platform().rsplit("-", 1)[-1]
-    arch = LEVELS["normalize_arch"](machine)
-    if arch in ("x86_64", "aarch64") and struct.calcsize("P") == 4:
-        return "32-bit " + arch
-    return arch
+    return LEVELS["target_arch"](machine, struct.calcsize("P"))
 
 
 compile_args, link_args = [], []

@@ -24,7 +24,7 @@ import struct
 import warnings
 
 from pagedkv import _cpuid
-from pagedkv._levels import levels_for, normalize_arch
+from pagedkv._levels import levels_for, target_arch
 
 ENV_VAR = "PAGEDKV_CPU_LEVEL"
 
@@ -45,16 +45,8 @@ _XCR0_AVX512 = 0xE6    # ... and opmask, ZMM0-15 upper halves, ZMM16-31
 
 
 def host_arch():
-    """The architecture this interpreter runs (a :func:`pagedkv._levels.normalize_arch` name).
-
-    A 32-bit interpreter on a 64-bit kernel is not ``"x86_64"``/``"aarch64"``:
-    ``platform.machine()`` names the kernel's machine, the pointer size the
-    interpreter's.
-    """
-    arch = normalize_arch(platform.machine())
-    if arch in ("x86_64", "aarch64") and struct.calcsize("P") == 4:
-        return {"x86_64": "i686", "aarch64": "arm"}[arch]
-    return arch
+    """The architecture this interpreter runs (a :func:`pagedkv._levels.target_arch` name)."""
+    return target_arch(platform.machine(), struct.calcsize("P"))
 
 
 def decode_x86_features(cpuid, xcr0, sysctl_int=lambda name: None):

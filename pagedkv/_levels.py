@@ -76,6 +76,18 @@ def normalize_arch(machine):
     return machine
 
 
+def target_arch(machine, pointer_bytes):
+    """The ``LEVELS`` key of code built for ``machine`` with pointers of ``pointer_bytes``.
+
+    A 32-bit build on a 64-bit machine (``platform.machine()`` names the
+    kernel's) is ``"i686"`` or ``"arm"``, which have only a baseline here.
+    """
+    arch = normalize_arch(machine)
+    if pointer_bytes == 4:
+        return {"x86_64": "i686", "aarch64": "arm"}.get(arch, arch)
+    return arch
+
+
 def levels_for(arch):
     """The levels of architecture ``arch`` (a ``normalize_arch`` name), lowest first.
 

@@ -23,14 +23,15 @@ import numpy as np
 import pytest
 
 from pagedkv import _cpu
-from pagedkv._levels import LEVELS, levels_for
+from pagedkv._levels import LEVELS, levels_for, target_arch
 from reference import TOLERANCE, dense_attention, round_to_storage
 
 import cpu_probe
 
 PROBE = Path(cpu_probe.__file__).resolve()
 X86 = levels_for("x86_64")
-ON_X86_64 = _cpu.ARCH == "x86_64"
+# qemu-user is Linux's; qemu-x86_64 runs this interpreter only on an x86-64 host
+ON_LINUX_X86_64 = _cpu.ARCH == "x86_64" and sys.platform.startswith("linux")
 QEMU = shutil.which("qemu-x86_64")
 
 # Enough of cpuid for decode_x86_features: leaf -> (eax, ebx, ecx, edx).
@@ -119,6 +120,10 @@ def test_architecture_names():
     assert [lv.name for lv in levels_for("aarch64")] == ["baseline"]
     assert "NEON" in levels_for("aarch64")[0].description
     assert [lv.name for lv in levels_for("riscv64")] == ["baseline"]
+    assert target_arch("AMD64", 8) == target_arch("x86_64", 8) == "x86_64"
+    assert target_arch("arm64", 8) == "aarch64"
+    assert target_arch("x86_64", 4) == "i686"        # a 32-bit build on a 64-bit kernel
+    assert [lv.name for lv in levels_for(target_arch("x86_64", 4))] == ["baseline"]
     if platform.machine().lower() in ("x86_64", "amd64", "aarch64", "arm64"):
         assert _cpu.ARCH in LEVELS   # the architectures wheels are built for have tables
 
@@ -225,12 +230,14 @@ def test_an_unknown_level_fails_the_import_with_the_variable_named(tmp_path):
 # -- under emulated CPUs ---------------------------------------------------------------
 
 @pytest.mark.skipif(not os.environ.get("CI"), reason="outside CI the qemu tests may skip")
-@pytest.mark.skipif(not ON_X86_64, reason="qemu-x86_64 runs this interpreter only on x86-64")
+@pytest.mark.skipif(not ON_LINUX_X86_64, reason="qemu-x86_64 runs this interpreter only on "
+                                             "Linux x86-64")
 def test_ci_has_qemu():
     assert QEMU, "CI must install Debian's qemu-user (.ci/run does: apt-get install qemu-user)"
 
 
-@pytest.mark.skipif(not ON_X86_64, reason="qemu-x86_64 runs this interpreter only on x86-64")
+@pytest.mark.skipif(not ON_LINUX_X86_64, reason="qemu-x86_64 runs this interpreter only on "
+                                             "Linux x86-64")
 @pytest.mark.skipif(QEMU is None, reason="needs qemu-x86_64 (Debian's qemu-user)")
 @pytest.mark.parametrize("cpu_model,expected", [("Haswell", "avx2"), ("Nehalem", "baseline")])
 def test_an_emulated_older_cpu_runs_its_level_correctly(tmp_path, cpu_model, expected):
