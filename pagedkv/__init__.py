@@ -7,7 +7,8 @@
 >>> cache.store(layer, batch, k, v); out = cache.attention(layer, batch, q)
 """
 try:
-    from pagedkv import _allocator, _kernels, _page_table  # noqa: F401  (the compiled core)
+    # the compiled core; _cpu imports the host kernels of this CPU's level
+    from pagedkv import _allocator, _cpu, _page_table  # noqa: F401
 except ImportError as exc:  # pragma: no cover - depends on how Python was started
     raise ImportError(
         f"pagedkv's compiled modules are missing from {__path__[0]}: this is the source tree "
@@ -20,10 +21,11 @@ from pagedkv.checkpoint import Checkpoint
 from pagedkv.step import StepBatch
 from pagedkv.errors import (ArgumentTypeError, BackendUnavailableError, OutOfPagesError,
                             UnknownSequenceError)
-
-__version__ = "0.1.0"
+from pagedkv._config import show_config
+from pagedkv._version import __version__  # noqa: F401  (public: pagedkv.__version__)
 
 __all__ = [
     "ArgumentTypeError", "BackendUnavailableError", "Checkpoint", "OutOfPagesError",
     "PagedKVCache", "StepBatch", "UnknownSequenceError", "available_backends",
+    "show_config",
 ]

@@ -14,7 +14,8 @@ COMMANDS = {
 
 
 def usage():
-    lines = ["usage: python -m pagedkv <command> [options]", "", "commands:"]
+    lines = ["usage: python -m pagedkv <command> [options]",
+             "       python -m pagedkv --version", "", "commands:"]
     lines += [f"  {name:<8}{description}" for name, (_, description) in COMMANDS.items()]
     lines += ["", "python -m pagedkv <command> --help shows a command's options."]
     return "\n".join(lines)
@@ -26,6 +27,10 @@ def main(argv=None):
     if not argv or argv[0] in ("-h", "--help"):
         print(usage())
         return 0 if argv else 2
+    if argv[0] in ("-V", "--version"):
+        from pagedkv._version import __version__
+        print(f"pagedkv {__version__}")
+        return 0
     if argv[0] not in COMMANDS:
         print(f"error: unknown command {argv[0]!r}\n\n{usage()}", file=sys.stderr)
         return 2

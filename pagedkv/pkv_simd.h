@@ -10,12 +10,12 @@
  * while they compute they prefetch the next page's slice into L2 a few cache
  * lines per inner iteration (`pkv_prefetch`).  Spreading the prefetches over
  * the compute, instead of issuing them in a burst or relying on the hardware
- * prefetcher, is what lets the DRAM stream and the arithmetic overlap: on a
- * 2-core AMD EPYC it took the benchmark's decode (32 x 2,048 tokens) from
- * 27 ms (copy each page, then compute) to 19 ms; without any prefetch these
- * kernels take 32 ms.  Bursts of prefetches, or prefetching into L1 (T0),
- * gained nothing (bursts were 50% slower: prefetches past a full memory
- * queue seem to be dropped).
+ * prefetcher, is what lets the DRAM stream and the arithmetic overlap in the
+ * benchmark's decode, where copying each page before computing, or no
+ * prefetch at all, is slower.  Bursts of prefetches, or prefetching into L1
+ * (T0), gained nothing (bursts were slower: prefetches past a full memory
+ * queue seem to be dropped).  CHANGELOG.md has the measured figures of each
+ * step.
  */
 #ifndef PKV_SIMD_H
 #define PKV_SIMD_H
@@ -306,7 +306,7 @@ PKV_INLINE void pkv_accumulate4_any(float *restrict acc, const float *restrict a
  * always-inline kernel with a constant `half`, and with a constant row length
  * for the head sizes of common models: the compiler then unrolls the column
  * loop and addresses rows at fixed offsets, which frees the registers that a
- * run-time stride ties up (float16 decode 12.4 -> 10 ms, float32 18 -> 17).
+ * run-time stride ties up (float16 decode gained most; see CHANGELOG.md).
  * They are kept out of line: inlined into the Cython caller, they shared its
  * registers and spilled the accumulators. */
 #define PKV_WITH_HEAD_DIM(call)                                        \

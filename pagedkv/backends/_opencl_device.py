@@ -30,7 +30,7 @@ INSTALL_HINT = ('pip install "pagedkv[opencl]" (pyopencl plus the PoCL CPU drive
 _UNSET = object()
 _unavailable = _UNSET          # cached answer of unavailable_reason()
 _preferred = _UNSET            # cached: is any device a GPU or accelerator?
-_contexts = {}                 # Device -> Context, so that every cache on a device shares programs
+_contexts: dict = {}               # Device -> Context, so that every cache on a device shares programs
 _driver_started = False        # has this process asked the OpenCL drivers anything?
 
 FORKED_CHILD_REASON = (

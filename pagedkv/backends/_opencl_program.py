@@ -17,7 +17,7 @@ import numpy as np
 
 from pagedkv.backends.kernel_source import read_source
 
-_programs = {}   # (Context, file name, options, text) -> built pyopencl.Program
+_programs: dict = {}   # (Context, file name, options, text) -> built pyopencl.Program
 _programs_lock = threading.Lock()
 
 _KERNEL = re.compile(r"__kernel\s+(?:__attribute__\(\(.*?\)\)\s*)?void\s+(\w+)\s*\((.*?)\)\s*\{",

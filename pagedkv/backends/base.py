@@ -11,7 +11,7 @@ backend may assume well-formed input:
 * page ids, slots and tables: produced by :class:`pagedkv._page_table.PageTables`.
 """
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 
@@ -59,10 +59,10 @@ class StepTables:
 class Backend:
     """What a backend provides.  Subclasses implement every method below."""
 
-    name = None
+    name: Optional[str] = None
 
     #: The backend's own array types that ``store`` and ``attention`` take as they are.
-    array_types = ()
+    array_types: tuple = ()
 
     @classmethod
     def unavailable_reason(cls):

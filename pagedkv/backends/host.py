@@ -1,10 +1,13 @@
-"""The host backend: numpy page pools and the Cython kernels of ``pagedkv._kernels``."""
+"""The host backend: numpy page pools and the Cython kernels of ``pagedkv._kernels``.
+
+The kernels are those of this CPU's instruction-set level (:mod:`pagedkv._cpu`).
+"""
 import os
 from dataclasses import dataclass
 
 import numpy as np
 
-from pagedkv import _kernels
+from pagedkv._cpu import kernels as _kernels
 from pagedkv.backends.base import Backend
 from pagedkv.backends.schedule import ITEM, plan_attention
 

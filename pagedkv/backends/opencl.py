@@ -29,7 +29,7 @@ from pagedkv.errors import ArgumentTypeError, BackendUnavailableError
 try:  # for array_types only; the rest imports pyopencl when a backend is made
     import pyopencl.array as _cl_array
 except Exception:  # pyopencl missing or broken: unavailable_reason() says how to fix it
-    _cl_array = None
+    _cl_array = None  # type: ignore[assignment]
 
 # Split-K parts never shorter than this many keys: below it the merge costs
 # more than the parallelism gains.
