@@ -21,8 +21,8 @@ from typing import List, Optional, Tuple
 
 import numpy as np
 
-from pagedkv.models.decoder import (AttendFn, DecoderModel, LayerRope, Rope, rms_norm,  # noqa: F401
-                                    silu)
+from pagedkv.models.decoder import (AttendFn, DecoderModel, LayerRope, Rope,  # noqa: F401
+                                    rms_norm, silu)
 
 
 @dataclass(frozen=True)
@@ -211,6 +211,8 @@ class LlamaWeights:
         if len(self.layers) != c.num_layers:
             raise ValueError(f"layers: expected {c.num_layers}, got {len(self.layers)}")
         for name, (array, shape) in expected.items():
+            if array is None:
+                raise ValueError(f"{name}: expected an array of shape {shape}, got None")
             if array.shape != shape:
                 raise ValueError(f"{name}: expected shape {shape}, got {array.shape}")
 
