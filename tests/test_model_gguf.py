@@ -103,10 +103,23 @@ def write_gguf(path, checkpoint, *, arch="llama", quantize=("blk.1.ffn_up.weight
     for i, layer in enumerate(checkpoint["layers"]):
         arrays.update({f"blk.{i}.{names[k]}.weight": v for k, v in layer.items()})
     arrays.update(extra_tensors)
+    return finish_gguf(writer, {n: a for n, a in arrays.items() if n not in drop_tensors},
+                       quantize)
+
+
+def finish_gguf(writer, arrays, quantize=()):
+    """Add ``arrays`` (name -> float array) to an open ``gguf.GGUFWriter`` and write the file.
+
+    Tensors named in ``quantize`` are stored as Q8_0.
+
+    Returns
+    -------
+    dict name -> ndarray
+        What the file holds for each tensor, as float32.
+    """
+    import gguf
     stored = {}
     for name, array in arrays.items():
-        if name in drop_tensors:
-            continue
         array = np.ascontiguousarray(array, dtype=np.float32)
         if name in quantize:
             q8 = gguf.GGMLQuantizationType.Q8_0
