@@ -19,6 +19,7 @@ import numpy as np
 from pagedkv.models.errors import DEMO_INSTALL, MissingDependencyError, ModelFormatError
 from pagedkv.models.gemma import (GEMMA3_FULL_EVERY, GemmaConfig, GemmaLayerWeights, GemmaModel,
                                   gemma3_layer_windows)
+from pagedkv.models.gguf_file import GGUFFile, GGUFFormatError, read_gguf_file
 from pagedkv.models.llama import LayerWeights, LlamaConfig, LlamaModel, LlamaWeights
 
 
@@ -95,18 +96,27 @@ def model_name(metadata, path):
 
 
 def read_metadata(reader):
-    """The key-value fields of an open ``gguf.GGUFReader`` as a dict of Python values."""
-    metadata = {}
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF."):
-            continue                  # header bookkeeping, not model metadata
-        value = field.contents()
-        metadata[key] = value
-    return metadata
+    """The key-value fields of an open GGUF as a dict of Python values.
+
+    Parameters
+    ----------
+    reader : GGUFFile or gguf.GGUFReader
+        From :func:`open_gguf`, or the ``gguf`` package's reader.
+    """
+    if isinstance(reader, GGUFFile):
+        return dict(reader.metadata)
+    return {key: field.contents() for key, field in reader.fields.items()
+            if not key.startswith("GGUF.")}             # header bookkeeping, not model metadata
 
 
 def open_gguf(path):
-    """Open ``path`` with ``gguf.GGUFReader`` (memory-mapped, nothing dequantized yet).
+    """Read a GGUF's metadata and tensor index (the tensors stay memory-mapped, not dequantized).
+
+    Returns
+    -------
+    GGUFFile
+        See :mod:`pagedkv.models.gguf_file` (much faster than
+        ``gguf.GGUFReader`` on large vocabularies).
 
     Raises
     ------
@@ -116,8 +126,10 @@ def open_gguf(path):
         ``path`` is a directory (the message lists the GGUF files in it).
     ModelFormatError
         The file is not a readable GGUF.
+    MissingDependencyError
+        The ``gguf`` package is not installed.
     """
-    gguf = _import_gguf()
+    _import_gguf()
     path = os.fspath(path)
     if os.path.isdir(path):
         found = sorted(n for n in os.listdir(path) if n.endswith(".gguf"))
@@ -127,8 +139,8 @@ def open_gguf(path):
     if not os.path.isfile(path):
         raise FileNotFoundError(f"model: no such file: {path!r}")
     try:
-        return gguf.GGUFReader(path)
-    except Exception as exc:  # the reader raises ValueError, struct errors, ... on garbage
+        return read_gguf_file(path)
+    except GGUFFormatError as exc:
         raise ModelFormatError(f"model: {path!r} is not a readable GGUF file ({exc})") from exc
 
 
@@ -255,7 +267,9 @@ def _dequantize(tensor):
         raise ModelFormatError(f"model: tensor {tensor.name!r} is {tensor.tensor_type.name}, "
                                f"which gguf cannot dequantize ({exc})") from exc
     shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
-    return np.asarray(values, dtype=np.float32).reshape(shape)
+    values = np.asarray(values, dtype=np.float32).reshape(shape)
+    # float32 tensors come back as views of the read-only file map: copy those
+    return values if values.flags.writeable else values.copy()
 
 
 @dataclass
@@ -272,11 +286,13 @@ class GGUFHeader:
     metadata : dict
         Every GGUF key-value field, as plain Python values.
     config : LlamaConfig or GemmaConfig
+    file : GGUFFile
+        The tensor index (data memory-mapped, not yet dequantized).
     """
     path: str
     metadata: Dict[str, Any]
     config: LlamaConfig
-    reader: Any
+    file: GGUFFile
 
     @property
     def name(self):
@@ -303,14 +319,14 @@ def read_gguf_header(path):
     MissingDependencyError
         The ``gguf`` package is not installed.
     """
-    reader = open_gguf(path)
-    metadata = read_metadata(reader)
-    tensors = {t.name: t for t in reader.tensors}
+    file = open_gguf(path)
+    metadata = read_metadata(file)
+    tensors = {t.name: t for t in file.tensors}
     embd = tensors.get("token_embd.weight")
     config = config_from_metadata(
         metadata, num_tokens=int(embd.shape[-1]) if embd is not None else None)
     _check_tensor_names(tensors, config.num_layers, _architecture(metadata)[1])
-    return GGUFHeader(path=os.fspath(path), metadata=metadata, config=config, reader=reader)
+    return GGUFHeader(path=os.fspath(path), metadata=metadata, config=config, file=file)
 
 
 def load_gguf_model(path):
@@ -336,7 +352,7 @@ def load_gguf_model(path):
     header = path if isinstance(path, GGUFHeader) else read_gguf_header(path)
     metadata, config = header.metadata, header.config
     arch, architecture = _architecture(metadata)
-    tensors = {t.name: t for t in header.reader.tensors}
+    tensors = {t.name: t for t in header.file.tensors}
 
     def weight(name):
         return _dequantize(tensors[name])
