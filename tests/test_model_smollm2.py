@@ -124,7 +124,9 @@ def test_cli_prints_plain_blocks_when_piped():
     assert blocks[2].startswith("2: Once upon a time\n")
     # the report goes to stderr, away from the blocks
     assert "decode:" in result.stderr and "prefix cache hit rate" in result.stderr
-    assert "KV pages: peak" in result.stderr
+    assert "KV memory (float32, page_size 16)" in result.stderr
+    assert "full-attention pool (30 layers): peak" in result.stderr
+    assert "for each of 2 sequences" in result.stderr
 
 
 def test_cli_without_the_model_prints_the_install_command(monkeypatch, capsys):
@@ -159,6 +161,9 @@ def test_cli_rejects_bad_model_files(tmp_path, capsys):
     from pagedkv.models import demo
     assert demo.main(["--model", str(tmp_path / "absent.gguf")]) == 1
     assert "no such file" in capsys.readouterr().err
+    (tmp_path / "m.gguf").write_bytes(b"")
+    assert demo.main(["--model", str(tmp_path)]) == 1
+    assert "is a directory, expected a GGUF file; it holds m.gguf" in capsys.readouterr().err
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"\0" * 64)
     assert demo.main(["--model", str(bad)]) == 1
