@@ -70,10 +70,13 @@ class KVMemory:
             The per-sequence length a contiguous cache would reserve.
         layer_windows : sequence of (None or int), optional
             What the cache was built with (default: ``cache.layer_windows``
-            if it has them, else every layer full).
+            if it has them).  Every layer counts as full for a cache
+            without a window pool (no ``num_window_pages``).
         """
         if layer_windows is None:
             layer_windows = getattr(cache, "layer_windows", None)
+        if not hasattr(cache, "num_window_pages"):
+            layer_windows = None
         windows = list(layer_windows or [None] * cache.num_layers)
         num_window_layers = sum(w is not None for w in windows)
         window_pool = int(getattr(cache, "num_window_pages", 0) or 0) if num_window_layers else 0
