@@ -1,8 +1,9 @@
 """The continuous-batching engine: scheduler, one forward per step, sampling.
 
 A step is one ``cache.append(seq_ids, counts)`` covering every decode (one
-token) and prefill chunk the scheduler picked, one :meth:`LlamaModel.forward`
-whose attention goes through ``cache.store`` / ``cache.attention``, and one
+token) and prefill chunk the scheduler picked, one ``model.forward``
+(:meth:`~pagedkv.models.decoder.DecoderModel.forward`) whose attention goes
+through ``cache.store`` / ``cache.attention``, and one
 sampled token for each sequence whose last pending token was in the step:
 only those rows get logits, not the rest of a prefill chunk.
 """
@@ -142,7 +143,11 @@ class Engine:
 
     Parameters
     ----------
-    model : LlamaModel
+    model : DecoderModel
+        A :class:`~pagedkv.models.llama.LlamaModel` or
+        :class:`~pagedkv.models.gemma.GemmaModel`.  A model with windowed
+        layers (``model.config.layer_windows``) needs a cache built with the
+        same ``layer_windows``, which applies each layer's window.
     cache : PagedKVCache or compatible
         Sized for the model (``num_layers``, ``num_kv_heads``, ``head_dim``).
         Anything with the same ``add_sequence / free / seq_len / truncate /
