@@ -62,9 +62,9 @@ def resolve_backend(name):
                         if unavailable_reason(n) is None and backend_class(n).suits_auto())
     if not isinstance(name, str) or name not in _REGISTRY:
         from_env = os.environ.get("PAGEDKV_BACKEND") == name
-        raise ValueError(f"{'$PAGEDKV_BACKEND' if from_env else 'backend'}: expected one of "
-                         f"{sorted(_REGISTRY) + ['auto']}, got {name!r}"
-                         f"{' (unset it or fix its value)' if from_env else ''}")
+        raise ValueError(f"backend: expected one of {sorted(_REGISTRY) + ['auto']}, got "
+                         f"{name!r}" + (" from $PAGEDKV_BACKEND, which overrides 'auto' (unset "
+                                        "it or fix its value)" if from_env else ""))
     reason = unavailable_reason(name)
     if reason is not None:
         raise BackendUnavailableError(reason)
