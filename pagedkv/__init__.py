@@ -10,10 +10,21 @@ try:
     # the compiled core; _cpu imports the host kernels of this CPU's level
     from pagedkv import _allocator, _cpu, _page_table  # noqa: F401
 except ImportError as exc:  # pragma: no cover - depends on how Python was started
-    raise ImportError(
-        f"pagedkv's compiled modules are missing from {__path__[0]}: this is the source tree "
-        f"without a build (Python puts the current directory first on `python -m`). Run from "
-        f"another directory, or build in place with `pip install -e .`") from exc
+    import sys as _sys
+    from importlib.machinery import EXTENSION_SUFFIXES as _SUFFIXES
+    from os import listdir as _listdir
+    if any(name.startswith("_allocator") and name.endswith(tuple(_SUFFIXES))
+           for name in _listdir(__path__[0])):
+        raise                                   # built, but failing to load: show why
+    _message = (f"pagedkv's compiled modules are missing from {__path__[0]}: this is the "
+                f"source tree without a build (Python puts the current directory first on "
+                f"`python -m`). Run from another directory, or build in place with "
+                f"`pip install -e .`")
+    if _sys.argv[:1] == ["-m"]:
+        # `python -m pagedkv ...` while Python locates the module: the message, no traceback.
+        print(f"error: {_message}", file=_sys.stderr)
+        raise SystemExit(1) from None
+    raise ImportError(_message) from None
 
 from pagedkv.backends import available_backends
 from pagedkv.cache import PagedKVCache

@@ -8,8 +8,8 @@ import sys
 # command -> (module with main(argv) -> int, one-line description)
 COMMANDS = {
     "demo": ("pagedkv.models.demo",
-             "serve a real model (SmolLM2-135M by default) through pagedkv with continuous "
-             "batching"),
+             "serve a real model (SmolLM2-135M by default, or Gemma 3 270M) through pagedkv "
+             "with continuous batching"),
 }
 
 

@@ -95,12 +95,13 @@ def dense_forward(checkpoint, config, tokens):
     return norm(x, checkpoint["output_norm"]) @ checkpoint["embedding"].T
 
 
-def engine_model(checkpoint, config):
-    layers = [LayerWeights.from_projections(**layer) for layer in checkpoint["layers"]]
+def engine_model(checkpoint, config, layer_class=LayerWeights, model_class=LlamaModel):
+    """The engine's float32 model of a raw checkpoint (tied embedding)."""
+    layers = [layer_class.from_projections(**layer) for layer in checkpoint["layers"]]
     weights = LlamaWeights(token_embedding=checkpoint["embedding"].astype(np.float32),
                            layers=layers,
                            output_norm=checkpoint["output_norm"].astype(np.float32))
-    return LlamaModel(config, weights)
+    return model_class(config, weights)
 
 
 class RecordingCache:

@@ -25,6 +25,37 @@ def require(*modules):
         pytest.skip(message)
 
 
+def require_model(is_installed, install):
+    """Skip without the model package ``install`` names, except in CI, where that fails."""
+    require("gguf", "tokenizers")
+    if not is_installed():
+        message = f"needs the model: {install}"
+        if os.environ.get("CI"):
+            pytest.fail(f"{message}; CI must install it")
+        pytest.skip(message)
+
+
+def load_with_tokenizer(path):
+    """``(model, tokenizer)`` of a GGUF file."""
+    from pagedkv.models.gguf_loader import load_gguf_model
+    from pagedkv.models.tokenizer import GGUFTokenizer
+    loaded = load_gguf_model(path)
+    return loaded.model, GGUFTokenizer.from_metadata(loaded.metadata)
+
+
+def add_shape_keys(writer, arch, config, **extra):
+    """The ``{arch}.*`` shape keys of ``config`` (and ``extra`` uint32 keys) on a GGUFWriter."""
+    c = config
+    for key, value in {"block_count": c.num_layers, "context_length": c.max_position,
+                       "embedding_length": c.hidden_size,
+                       "feed_forward_length": c.intermediate_size,
+                       "attention.head_count": c.num_heads,
+                       "attention.head_count_kv": c.num_kv_heads, **extra}.items():
+        writer.add_uint32(f"{arch}.{key}", value)
+    writer.add_float32(f"{arch}.rope.freq_base", c.rope_theta)
+    writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", c.rms_norm_eps)
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _needs_demo_stack():
     require("gguf", "tokenizers")
@@ -73,17 +104,8 @@ def write_gguf(path, checkpoint, *, arch="llama", quantize=("blk.1.ffn_up.weight
         dequantized), i.e. what a correct loader must return.
     """
     import gguf
-    c = GGUF_CONFIG
     writer = gguf.GGUFWriter(str(path), arch)
-    for key, value in (("block_count", c.num_layers), ("context_length", c.max_position),
-                       ("embedding_length", c.hidden_size),
-                       ("feed_forward_length", c.intermediate_size),
-                       ("attention.head_count", c.num_heads),
-                       ("attention.head_count_kv", c.num_kv_heads),
-                       ("rope.dimension_count", c.rope_dim)):
-        writer.add_uint32(f"{arch}.{key}", value)
-    writer.add_float32(f"{arch}.rope.freq_base", c.rope_theta)
-    writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", c.rms_norm_eps)
+    add_shape_keys(writer, arch, GGUF_CONFIG, **{"rope.dimension_count": GGUF_CONFIG.rope_dim})
     tokens, merges, types = tiny_vocabulary()
     writer.add_string("tokenizer.ggml.model", tokenizer_model)
     writer.add_string("tokenizer.ggml.pre", "default")
@@ -103,10 +125,23 @@ def write_gguf(path, checkpoint, *, arch="llama", quantize=("blk.1.ffn_up.weight
     for i, layer in enumerate(checkpoint["layers"]):
         arrays.update({f"blk.{i}.{names[k]}.weight": v for k, v in layer.items()})
     arrays.update(extra_tensors)
+    return finish_gguf(writer, {n: a for n, a in arrays.items() if n not in drop_tensors},
+                       quantize)
+
+
+def finish_gguf(writer, arrays, quantize=()):
+    """Add ``arrays`` (name -> float array) to an open ``gguf.GGUFWriter`` and write the file.
+
+    Tensors named in ``quantize`` are stored as Q8_0.
+
+    Returns
+    -------
+    dict name -> ndarray
+        What the file holds for each tensor, as float32.
+    """
+    import gguf
     stored = {}
     for name, array in arrays.items():
-        if name in drop_tensors:
-            continue
         array = np.ascontiguousarray(array, dtype=np.float32)
         if name in quantize:
             q8 = gguf.GGMLQuantizationType.Q8_0

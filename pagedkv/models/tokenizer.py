@@ -9,11 +9,13 @@ tokens (``<|im_start|>`` ...) become special added tokens so that chat
 templates can use them.
 
 A GGUF with ``tokenizer.ggml.model == "llama"`` (Llama 2, TinyLlama, Mistral
-v0.1, ...) stores a SentencePiece BPE: pieces with scores, ``<0xNN>`` byte
-pieces, spaces written as ``▁``.  It becomes a ``tokenizers`` BPE with byte
-fallback whose merges rank pairs by the score of the piece they make, which
-is how SentencePiece's BPE picks its merges (and how Hugging Face converts
-these tokenizers).
+v0.1, Gemma, ...) stores a SentencePiece BPE: pieces with scores, ``<0xNN>``
+byte pieces, spaces written as ``▁``.  It becomes a ``tokenizers`` BPE with
+byte fallback whose merges rank pairs by the score of the piece they make,
+which is how SentencePiece's BPE picks its merges (and how Hugging Face
+converts these tokenizers); user-defined pieces rank first (see
+:func:`_sentencepiece_merges`).  ``tokenizer.ggml.add_space_prefix`` says
+whether a ``▁`` is prepended (Llama 2: yes; Gemma: no).
 
 Chat prompts are rendered with the model's own ``tokenizer.chat_template``
 (Jinja, through ``jinja2``'s sandbox, as Hugging Face does).  Without
@@ -134,6 +136,9 @@ class GGUFTokenizer:
         if not tokens:
             raise ModelFormatError("tokenizer: the GGUF lacks tokenizer.ggml.tokens")
         types = list(metadata.get("tokenizer.ggml.token_type") or [_NORMAL] * len(tokens))
+        if len(types) != len(tokens):
+            raise ModelFormatError(f"tokenizer: tokenizer.ggml.token_type has {len(types)} "
+                                   f"entries for {len(tokens)} tokens")
         if len(set(tokens)) != len(tokens):
             raise ModelFormatError("tokenizer: tokenizer.ggml.tokens has duplicate entries")
         if kind == "gpt2":
@@ -141,7 +146,10 @@ class GGUFTokenizer:
         else:
             tokenizer = _sentencepiece_bpe(tokens, types, metadata)
         special = [i for i, t in enumerate(types) if t == _CONTROL]
-        user_defined = [i for i, t in enumerate(types) if t == _USER_DEFINED]
+        # User-defined tokens are matched in the raw text before the BPE runs,
+        # except SentencePiece's pieces with spaces, which the BPE merges.
+        user_defined = [i for i, t in enumerate(types) if t == _USER_DEFINED
+                        and not (kind == "llama" and " " in tokens[i])]
         tokenizer.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
                                       for i in special])
         tokenizer.add_tokens([AddedToken(tokens[i], special=False, normalized=False)
@@ -236,6 +244,56 @@ def _byte_level_bpe(tokens, metadata):
     return tokenizer
 
 
+def sentencepiece_pieces(tokens, types):
+    """The SentencePiece pieces of a GGUF vocabulary (spaces written ``▁``).
+
+    llama.cpp's converter writes user-defined pieces with plain spaces
+    (``"▁▁"`` becomes ``"  "``, so that its tokenizer can match them in raw
+    text); this undoes that, making them pieces of the BPE again, which is
+    how SentencePiece and Hugging Face's Gemma tokenizer treat them (runs of
+    spaces are then merged by the BPE, not matched greedily).
+
+    Parameters
+    ----------
+    tokens : list of str, length vocab_size
+    types : list of int, length vocab_size
+
+    Returns
+    -------
+    list of str, length vocab_size
+    """
+    return [t.replace(" ", "\u2581") if kind == _USER_DEFINED else t
+            for t, kind in zip(tokens, types)]
+
+
+def _sentencepiece_merges(pieces, types, scores, vocab):
+    """BPE merges that reproduce SentencePiece's choice of pieces, best first.
+
+    SentencePiece's BPE joins the adjacent pair whose joined piece scores
+    highest; a BPE whose merges are ranked by the score of the piece they
+    make does the same (Hugging Face's conversion of these tokenizers).
+    User-defined pieces rank first, in vocabulary order: SentencePiece scores
+    them 0, above every learned piece, and llama.cpp's converter overwrote
+    that with -1000.  Equal scores keep vocabulary order; a piece's own
+    splits are ordered by the ids of their left and right halves.
+
+    Returns
+    -------
+    list of (str, str)
+    """
+    ranked = []
+    for i, kind in enumerate(types):
+        if kind not in (_NORMAL, _USER_DEFINED):
+            continue
+        piece = pieces[i]
+        splits = [(vocab[piece[:cut]], vocab[piece[cut:]]) for cut in range(1, len(piece))
+                  if piece[:cut] in vocab and piece[cut:] in vocab]
+        priority = float("inf") if kind == _USER_DEFINED else float(scores[i])
+        ranked.extend((priority, pieces[left], pieces[right]) for left, right in sorted(splits))
+    ranked.sort(key=lambda m: -m[0])                     # stable: ties keep vocabulary order
+    return [m[1:] for m in ranked]
+
+
 def _sentencepiece_bpe(tokens, types, metadata):
     """A ``tokenizers.Tokenizer`` for a GGUF SentencePiece BPE (tokenizer.ggml.model "llama")."""
     from tokenizers import Tokenizer, decoders, models, normalizers
@@ -243,20 +301,15 @@ def _sentencepiece_bpe(tokens, types, metadata):
     if len(scores) != len(tokens):
         raise ModelFormatError("tokenizer: a SentencePiece GGUF needs tokenizer.ggml.scores, one "
                                "per token")
-    vocab = {text: i for i, text in enumerate(tokens)}
-    mergeable = [i for i, t in enumerate(types) if t in (_NORMAL, _USER_DEFINED)]
-    merges = []
-    for i in mergeable:
-        piece = tokens[i]
-        for cut in range(1, len(piece)):
-            left, right = piece[:cut], piece[cut:]
-            if left in vocab and right in vocab:
-                merges.append((-scores[i], len(left), len(right), left, right))
-    # The higher the merged piece's score, the earlier the merge.
-    merges.sort(key=lambda m: m[:3])
+    pieces = sentencepiece_pieces(tokens, types)
+    vocab = {text: i for i, text in enumerate(pieces)}
+    if len(vocab) != len(pieces):
+        raise ModelFormatError("tokenizer: tokenizer.ggml.tokens has entries that differ only "
+                               "in spaces written as ' ' or '\u2581'")
+    merges = _sentencepiece_merges(pieces, types, scores, vocab)
     unk_id = metadata.get("tokenizer.ggml.unknown_token_id")
-    unk = tokens[int(unk_id)] if unk_id is not None and 0 <= int(unk_id) < len(tokens) else None
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[m[3:] for m in merges], unk_token=unk,
+    unk = pieces[int(unk_id)] if unk_id is not None and 0 <= int(unk_id) < len(pieces) else None
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token=unk,
                                      fuse_unk=True, byte_fallback=True))
     add_space_prefix = bool(metadata.get("tokenizer.ggml.add_space_prefix", True))
     steps = [normalizers.Prepend("\u2581")] if add_space_prefix else []
