@@ -9,7 +9,7 @@
 try:
     # the compiled core; _cpu imports the host kernels of this CPU's level
     from pagedkv import _allocator, _cpu, _page_table  # noqa: F401
-except ImportError as exc:  # pragma: no cover - depends on how Python was started
+except ImportError:  # pragma: no cover - depends on how Python was started
     import sys as _sys
     from importlib.machinery import EXTENSION_SUFFIXES as _SUFFIXES
     from os import listdir as _listdir

@@ -13,7 +13,7 @@ import os
 import threading
 import weakref
 
-_guards = weakref.WeakSet()
+_guards: "weakref.WeakSet[Guard]" = weakref.WeakSet()
 
 
 class ReentrantCallError(RuntimeError):

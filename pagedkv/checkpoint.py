@@ -9,6 +9,7 @@ sequence's live checkpoints), so decode steps pay nothing for it.
 """
 import weakref
 from dataclasses import dataclass, field
+from typing import Optional
 
 
 class _Stamp:
@@ -32,7 +33,7 @@ class Checkpoint:
     seq_id: int
     seq_len: int
     _cache: object = field(default=None, repr=False, compare=False)   # weakref to the cache
-    _stamp: _Stamp = field(default=None, repr=False, compare=False)
+    _stamp: Optional[_Stamp] = field(default=None, repr=False, compare=False)
 
 
 class CheckpointBook:

@@ -1,5 +1,4 @@
 """``StepBatch``: the slots and page tables of one ``append`` step, as an engine sees them."""
-import numpy as np
 
 from pagedkv.backends.base import StepTables
 

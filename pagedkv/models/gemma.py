@@ -25,6 +25,8 @@ cache with ``layer_windows=list(config.layer_windows)``.
 """
 from dataclasses import dataclass, field
 
+from typing import Optional
+
 import numpy as np
 
 from pagedkv.models.decoder import DecoderModel, LayerRope, Rope, gelu_tanh, rms_norm
@@ -78,8 +80,8 @@ class GemmaConfig(LlamaConfig):
     """
     rope_theta_sliding: float = GEMMA3_ROPE_THETA_SLIDING
     rope_scale_full: float = 1.0
-    attention_scale: float = None
-    embedding_scale: float = None
+    attention_scale: Optional[float] = None
+    embedding_scale: Optional[float] = None
 
     def __post_init__(self):
         super().__post_init__()
@@ -108,10 +110,10 @@ class GemmaLayerWeights(LayerWeights):
     post_attention_norm, post_ffw_norm : ndarray, shape [hidden_size]
         Norms of the attention output and the FFN output, before each residual add.
     """
-    q_norm: np.ndarray = None
-    k_norm: np.ndarray = None
-    post_attention_norm: np.ndarray = None
-    post_ffw_norm: np.ndarray = None
+    q_norm: Optional[np.ndarray] = None
+    k_norm: Optional[np.ndarray] = None
+    post_attention_norm: Optional[np.ndarray] = None
+    post_ffw_norm: Optional[np.ndarray] = None
 
     def expected_shapes(self, config):
         c = config
