@@ -7,6 +7,13 @@ last page first (copy-on-write), and builds every table format an engine may
 want: the slot mapping (vLLM), the CSR page table (FlashInfer, TVM) and the
 padded block table.
 
+Windowed layers (a sliding window of at most ``window`` positions) keep their
+K/V in a second pool.  Each sequence then has a second page list of the same
+length, whose leading pages are given back (-1) once no later query can see
+them: after a step from ``L0`` to ``L`` tokens, every window page wholly before
+``keep_from = min(L0, L - rollback) - window + 1`` goes back to the pool, so
+a rollback of up to ``rollback`` tokens still finds what its queries need.
+
 With prefix caching, a sequence also keeps its token ids and the hash chain
 of its full pages (``hash(parent page's hash, page's token ids)``).  A page
 that a step fills is entered in the allocator's prefix index only once that
@@ -14,8 +21,9 @@ step's K/V is stored in every layer (``close_step``).  A step abandoned
 before that (another append, a truncate, a free) leaves nothing reusable:
 its pages are not cached, and its sequences forget the step's tokens, so
 that no later page holding those unwritten positions is cached either
-(they cache again once truncated back below them).
-``add(token_ids)`` starts a sequence on the longest cached chain of its prompt.
+(they cache again once truncated back below them).  A window page is cached
+under the prefix-index entry of the full page at the same place in the
+chain, which identifies its content exactly.
 """
 import numbers
 
@@ -40,6 +48,10 @@ cdef extern from *:
     #include <cstdint>
     struct PkvSequence {
         std::vector<int32_t> pages;
+        // window pool: as many entries as `pages`; the first `window_released`
+        // are -1 (given back)
+        std::vector<int32_t> window_pages;
+        int64_t window_released = 0;
         int64_t length = 0;
         int64_t last_step = -1;   // the append call that last named it (duplicate check)
         // prefix caching only: the token ids (known while tokens.size() ==
@@ -57,6 +69,8 @@ cdef extern from *:
     cdef cppclass PkvSequence:
         PkvSequence() except +
         vector[int32_t] pages
+        vector[int32_t] window_pages
+        int64_t window_released
         int64_t length
         int64_t last_step
         vector[int32_t] tokens
@@ -73,18 +87,72 @@ cdef extern from "pkv_hash.h" nogil:
 # parent entry that marks a first page in the prefix index.
 cdef uint64_t ROOT_HASH = 0
 cdef int64_t ROOT_ENTRY = -1
+cdef int32_t RELEASED = -1
 
 
 cdef inline int64_t pages_for(int64_t num_tokens, int64_t page_size) noexcept nogil:
     return (num_tokens + page_size - 1) // page_size
 
 
-cdef void release_pages(PageAllocator allocator, PkvSequence* seq, int64_t keep) noexcept nogil:
-    """Drop the sequence's pages past the first ``keep``, last page first, so
-    that a freed chain enters the LRU end-first and loses its tail first."""
-    while <int64_t>seq.pages.size() > keep:
-        allocator.decref_page(seq.pages.back())
-        seq.pages.pop_back()
+cdef void release_pages(PageAllocator allocator, vector[int32_t]& pages,
+                        int64_t keep) noexcept nogil:
+    """Drop the pages past the first ``keep``, last page first, so that a freed
+    chain enters the LRU end-first and loses its tail first."""
+    while <int64_t>pages.size() > keep:
+        if pages.back() != RELEASED:
+            allocator.decref_page(pages.back())
+        pages.pop_back()
+
+
+cdef bint must_copy(PageAllocator allocator, vector[int32_t]& pages, int64_t length,
+                    int64_t page_size, int64_t num_new,
+                    unordered_map[int32_t, int32_t]& copies_of) noexcept nogil:
+    """Does writing ``num_new`` tokens need a private copy of the last page first?
+
+    Yes when that page is partly filled and either cached (its content is
+    promised to later prefix hits) or held by a sequence other than the
+    writers of this step that already copied it.
+    """
+    if num_new == 0 or length % page_size == 0:
+        return False
+    cdef int32_t last = pages.back()
+    if allocator.entry_of(last) != 0:
+        return True
+    cdef int32_t holders = allocator.refcount_of(last)
+    if holders == 1:
+        return False
+    it = copies_of.find(last)
+    return holders - (deref(it).second if it != copies_of.end() else 0) > 1
+
+
+cdef void grow(PageAllocator allocator, vector[int32_t]& pages, int64_t num_pages,
+               int32_t[::1] copy_src, int32_t[::1] copy_dst, int64_t* c, bint copy) noexcept nogil:
+    """Commit one sequence's pages in one pool: the copy of its last page, if
+    ``copy``, then new pages up to ``num_pages``."""
+    cdef int32_t page
+    if copy:
+        page = allocator.take_page()
+        copy_src[c[0]] = pages.back()
+        copy_dst[c[0]] = page
+        c[0] += 1
+        allocator.decref_page(pages.back())
+        pages[pages.size() - 1] = page
+    while <int64_t>pages.size() < num_pages:
+        pages.push_back(allocator.take_page())
+
+
+cdef void write_tables(vector[int32_t]& pages, int64_t old_len, int64_t new_len, int64_t ps,
+                       int64_t row, int64_t[::1] slot_mapping, int32_t* indices,
+                       int32_t* block_row) noexcept nogil:
+    """The slots of positions old_len:new_len (from ``row`` on) and the CSR and
+    block-table rows of one sequence in one pool."""
+    cdef int64_t pos
+    for pos in range(old_len, new_len):
+        slot_mapping[row] = <int64_t>pages[pos // ps] * ps + pos % ps
+        row += 1
+    if pages.size():
+        memcpy(indices, pages.data(), pages.size() * sizeof(int32_t))
+        memcpy(block_row, pages.data(), pages.size() * sizeof(int32_t))
 
 
 cdef class PageTables:
@@ -97,8 +165,18 @@ cdef class PageTables:
     hash_fn : callable, optional
         ``hash_fn(parent_hash: int, token_ids: tuple) -> int`` replaces the
         default page hash (e.g. to force collisions in tests).
+    window_allocator : PageAllocator, optional
+        The pool of the windowed layers; with it, ``window`` and ``rollback``.
+    window : int
+        The largest window of any windowed layer.
+    rollback : int, >= 1
+        Tokens a sequence can always be rolled back by (see the module notes).
     """
     cdef PageAllocator allocator
+    cdef PageAllocator window_allocator
+    cdef readonly bint windowed
+    cdef readonly int64_t window
+    cdef readonly int64_t rollback
     cdef readonly int page_size
     cdef bint caching
     cdef object hash_fn
@@ -112,8 +190,13 @@ cdef class PageTables:
     cdef readonly int64_t num_prompt_tokens    # passed to add(token_ids=...)
     cdef readonly int64_t num_reused_tokens    # of those, found in the prefix cache
 
-    def __cinit__(self, PageAllocator allocator, hash_fn=None):
+    def __cinit__(self, PageAllocator allocator, hash_fn=None,
+                  PageAllocator window_allocator=None, int64_t window=0, int64_t rollback=1):
         self.allocator = allocator
+        self.window_allocator = window_allocator
+        self.windowed = window_allocator is not None
+        self.window = window
+        self.rollback = rollback
         self.page_size = allocator.page_size
         self.caching = allocator.prefix_caching
         self.hash_fn = hash_fn
@@ -145,21 +228,38 @@ cdef class PageTables:
             raise UnknownSequenceError(f"seq_id: no live sequence {seq_id} (never added, or freed)")
         return &deref(it).second
 
+    cdef inline int64_t keep_from(self, int64_t old_len, int64_t new_len) noexcept nogil:
+        """The oldest position a windowed query may still need after a step old_len -> new_len."""
+        cdef int64_t first = min(old_len, new_len - self.rollback)
+        return max(<int64_t>0, first - self.window + 1)
+
+    cdef void release_window(self, PkvSequence* seq, int64_t keep_from) noexcept nogil:
+        """Give back the window pages wholly before position ``keep_from``."""
+        cdef int64_t upto = min(keep_from // self.page_size, <int64_t>seq.window_pages.size())
+        while seq.window_released < upto:
+            if seq.window_pages[seq.window_released] != RELEASED:
+                self.window_allocator.decref_page(seq.window_pages[seq.window_released])
+                seq.window_pages[seq.window_released] = RELEASED
+            seq.window_released += 1
+
     # -- sequences ---------------------------------------------------------------
     def add(self, token_ids=None):
         """Create a sequence; return its id (ids are never reused).
 
         With prefix caching and ``token_ids`` (the prompt, int32 [n]), the
         sequence starts on the longest cached chain of full pages of the
-        prompt, short of its last token; ``seq_len`` tells how many tokens
-        that covers.  Nothing is reserved for the rest.
+        prompt, short of its last token, whose windowed-layer K/V (what a
+        window at its end sees) is cached too; ``seq_len`` tells how many
+        tokens that covers.  Nothing is reserved for the rest.
         """
         cdef PkvSequence seq
         cdef int32_t[::1] prompt
-        cdef int64_t j, num_full, ps = self.page_size
+        cdef int64_t j, hit, first, num_full, ps = self.page_size
         cdef int64_t parent_entry = ROOT_ENTRY
         cdef uint64_t h = ROOT_HASH
         cdef vector[uint64_t] chain
+        cdef vector[int32_t] found
+        cdef vector[int32_t] window_found
         cdef int32_t page
         if self.caching and token_ids is not None:
             prompt = token_ids
@@ -169,15 +269,27 @@ cdef class PageTables:
                 h = self.page_hash(h, &prompt[j * ps])
                 chain.push_back(h)
             for j in range(num_full):
-                h = chain[j]
-                page = self.allocator.lookup(h, parent_entry, &prompt[j * ps])
+                page = self.allocator.lookup(chain[j], parent_entry, &prompt[j * ps])
                 if page < 0:
                     break
-                self.allocator.acquire(page)
+                found.push_back(page)
                 parent_entry = self.allocator.entry_of(page)
-                seq.pages.push_back(page)
-                seq.hashes.push_back(h)
-            seq.length = <int64_t>seq.pages.size() * ps
+            hit = found.size()
+            while self.windowed and hit > 0 and \
+                    not self.find_window_pages(found, &prompt[0], hit, window_found):
+                hit -= 1        # the windowed layers' K/V at that end is gone: a shorter hit
+            for j in range(hit):
+                self.allocator.acquire(found[j])
+                seq.pages.push_back(found[j])
+                seq.hashes.push_back(chain[j])
+            if self.windowed:
+                first = hit - <int64_t>window_found.size()
+                seq.window_pages.assign(first, RELEASED)
+                seq.window_released = first
+                for j in range(<int64_t>window_found.size()):
+                    self.window_allocator.acquire(window_found[j])
+                    seq.window_pages.push_back(window_found[j])
+            seq.length = hit * ps
             seq.tokens.assign(&prompt[0], &prompt[0] + seq.length) if seq.length else None
             self.num_prompt_tokens += prompt.shape[0]
             self.num_reused_tokens += seq.length
@@ -186,6 +298,22 @@ cdef class PageTables:
         self.seqs[seq_id] = seq
         return seq_id
 
+    cdef bint find_window_pages(self, vector[int32_t]& found, const int32_t* prompt,
+                                int64_t hit, vector[int32_t]& out) noexcept nogil:
+        """The cached window pages a sequence starting on ``hit`` full pages needs
+        (those at or after keep_from), into ``out``; False if any is missing."""
+        cdef int64_t j, ps = self.page_size
+        cdef int64_t length = hit * ps
+        cdef int32_t page
+        out.clear()
+        for j in range(self.keep_from(length, length) // ps, hit):
+            page = self.window_allocator.lookup(
+                <uint64_t>self.allocator.entry_of(found[j]), ROOT_ENTRY, &prompt[j * ps])
+            if page < 0:
+                return False
+            out.push_back(page)
+        return True
+
     def fork(self, parent_id):
         """A new sequence sharing every page of ``parent_id`` (ref counts only)."""
         cdef PkvSequence* parent = self.find(parent_id)
@@ -193,26 +321,35 @@ cdef class PageTables:
         cdef size_t i
         for i in range(parent.pages.size()):
             self.allocator.incref_page(parent.pages[i])
+        for i in range(parent.window_pages.size()):
+            if parent.window_pages[i] != RELEASED:
+                self.window_allocator.incref_page(parent.window_pages[i])
         for i in range(self.open_seqs.size()):   # the child shares the open step's fate
             if self.open_seqs[i].first == <int64_t>parent_id:
                 self.open_seqs.push_back(pair[int64_t, int64_t](child_id, self.open_seqs[i].second))
                 break
         self.next_id += 1
-        self.seqs[child_id] = deref(parent)   # copies the page list, not the pages
+        self.seqs[child_id] = deref(parent)   # copies the page lists, not the pages
         return child_id
+
+    cdef void drop(self, PkvSequence* seq) noexcept nogil:
+        release_pages(self.allocator, seq.pages, 0)
+        if self.windowed:
+            release_pages(self.window_allocator, seq.window_pages, 0)
+            seq.window_released = 0
 
     def free(self, seq_id):
         """Drop the sequence; its pages go back to the pool once no one shares them."""
         cdef PkvSequence* seq = self.find(seq_id)
         self.abandon_step()
-        release_pages(self.allocator, seq, 0)
+        self.drop(seq)
         self.seqs.erase(<int64_t>seq_id)
 
     def clear(self):
         """Free every sequence."""
         self.abandon_step()
         for kv in self.seqs:
-            release_pages(self.allocator, &kv.second, 0)
+            self.drop(&kv.second)
         self.seqs.clear()
 
     def __contains__(self, seq_id):
@@ -233,18 +370,26 @@ cdef class PageTables:
         """Tokens stored in the sequence."""
         return self.find(seq_id).length
 
-    def pages(self, seq_id):
-        """The sequence's page ids in order; ndarray, shape [num_pages], int32 (a copy)."""
+    def pages(self, seq_id, bint window=False):
+        """The sequence's page ids in order (``window``: in the window pool, -1 for
+        pages given back); ndarray, shape [num_pages], int32 (a copy)."""
         cdef PkvSequence* seq = self.find(seq_id)
-        out = np.empty(seq.pages.size(), dtype=np.int32)
+        cdef vector[int32_t]* pages = &seq.window_pages if window else &seq.pages
+        out = np.empty(pages.size(), dtype=np.int32)
         cdef int32_t[::1] view = out
         cdef size_t i
-        for i in range(seq.pages.size()):
-            view[i] = seq.pages[i]
+        for i in range(pages.size()):
+            view[i] = deref(pages)[i]
         return out
 
-    def slots(self, seq_id, int64_t start, int64_t stop):
-        """Slots (``page * page_size + offset``) of positions ``start:stop``.
+    def window_held_from(self, seq_id):
+        """The first position whose window-pool K/V the sequence still holds."""
+        cdef PkvSequence* seq = self.find(seq_id)
+        return min(seq.window_released * self.page_size, seq.length)
+
+    def slots(self, seq_id, int64_t start, int64_t stop, bint window=False):
+        """Slots (``page * page_size + offset``) of positions ``start:stop``, in the
+        full pool or (``window``) the window pool.
 
         Returns
         -------
@@ -254,46 +399,53 @@ cdef class PageTables:
         if not 0 <= start <= stop <= seq.length:
             raise ValueError(f"positions {start}:{stop}: expected 0 <= start <= stop <= "
                              f"seq_len={seq.length}")
+        if window and start < stop and start < seq.window_released * self.page_size:
+            raise ValueError(f"positions {start}:{stop}: the window pool holds this sequence's "
+                             f"K/V only from position {seq.window_released * self.page_size}")
+        cdef vector[int32_t]* pages = &seq.window_pages if window else &seq.pages
         out = np.empty(stop - start, dtype=np.int64)
         cdef int64_t[::1] view = out
         cdef int64_t pos, ps = self.page_size
         for pos in range(start, stop):
-            view[pos - start] = <int64_t>seq.pages[pos // ps] * ps + pos % ps
+            view[pos - start] = <int64_t>deref(pages)[pos // ps] * ps + pos % ps
         return out
+
+    def check_rollback(self, seq_id, int64_t new_len):
+        """ValueError unless truncating to ``new_len`` keeps what windowed queries need."""
+        cdef PkvSequence* seq = self.find(seq_id)
+        cdef int64_t held_from = seq.window_released * self.page_size
+        if self.windowed and 0 < new_len < seq.length and new_len < held_from + self.window - 1:
+            raise ValueError(
+                f"new_len: the windowed layers gave back this sequence's K/V before position "
+                f"{held_from}, and a query at position {new_len} would see from position "
+                f"{max(new_len - self.window + 1, 0)}; it can be rolled back to "
+                f"{held_from + self.window - 1} tokens at least, or to 0 (a larger "
+                f"window_rollback_tokens keeps more)")
 
     def truncate(self, seq_id, int64_t new_len):
         """Shorten the sequence to ``new_len`` tokens; pages past it are released."""
         cdef PkvSequence* seq = self.find(seq_id)
         if not 0 <= new_len <= seq.length:
             raise ValueError(f"new_len: expected 0 <= new_len <= seq_len={seq.length}, got {new_len}")
+        self.check_rollback(seq_id, new_len)
         self.abandon_step()
-        release_pages(self.allocator, seq, pages_for(new_len, self.page_size))
+        release_pages(self.allocator, seq.pages, pages_for(new_len, self.page_size))
+        if self.windowed:
+            release_pages(self.window_allocator, seq.window_pages,
+                          pages_for(new_len, self.page_size))
+            seq.window_released = min(seq.window_released, <int64_t>seq.window_pages.size())
         seq.length = new_len
         if <int64_t>seq.tokens.size() > new_len:
             seq.tokens.resize(new_len)
         if <int64_t>seq.hashes.size() > new_len // self.page_size:
             seq.hashes.resize(new_len // self.page_size)
 
+    def held_pages(self, seq_id):
+        """Pages the sequence holds in the window pool."""
+        cdef PkvSequence* seq = self.find(seq_id)
+        return <int64_t>seq.window_pages.size() - seq.window_released
+
     # -- one step ----------------------------------------------------------------
-    cdef bint must_copy(self, PkvSequence* seq, int64_t num_new,
-                        unordered_map[int32_t, int32_t]& copies_of) noexcept nogil:
-        """Does writing ``num_new`` tokens need a private copy of the last page first?
-
-        Yes when that page is partly filled and either cached (its content is
-        promised to later prefix hits) or held by a sequence other than the
-        writers of this step that already copied it.
-        """
-        if num_new == 0 or seq.length % self.page_size == 0:
-            return False
-        cdef int32_t last = seq.pages.back()
-        if self.allocator.entry_of(last) != 0:
-            return True
-        cdef int32_t holders = self.allocator.refcount_of(last)
-        if holders == 1:
-            return False
-        it = copies_of.find(last)
-        return holders - (deref(it).second if it != copies_of.end() else 0) > 1
-
     cdef int new_page_hashes(self, PkvSequence* seq, int64_t num_new, const int32_t* new_tokens,
                              vector[uint64_t]& out) except -1:
         """Hashes of the pages this step fills, for a sequence whose tokens are known."""
@@ -311,13 +463,26 @@ cdef class PageTables:
             out.push_back(parent)
         return 0
 
+    cdef int64_t window_pages_freed(self, PkvSequence* seq, int64_t new_len) noexcept nogil:
+        """Window pages this step gives back that become free (held by no one else)."""
+        cdef int64_t j, freed = 0
+        cdef int64_t upto = min(self.keep_from(seq.length, new_len) // self.page_size,
+                                <int64_t>seq.window_pages.size())
+        for j in range(seq.window_released, upto):
+            if seq.window_pages[j] != RELEASED and \
+                    self.window_allocator.refcount_of(seq.window_pages[j]) == 1:
+                freed += 1
+        return freed
+
     def append(self, seq_ids, num_new_tokens, max_seq_len=None, token_ids=None):
         """Reserve slots for ``num_new_tokens[b]`` new tokens of each ``seq_ids[b]``.
 
-        All or nothing: on any error no sequence or page changes.  A sequence
-        whose last page is partly filled and shared (or cached) gets a private
-        copy of it first; the (source, destination) pairs are returned so that
-        the backend copies the data before anything is stored.
+        All or nothing, over both pools: on any error no sequence or page
+        changes.  A sequence whose last page is partly filled and shared (or
+        cached) gets a private copy of it first; the (source, destination)
+        pairs are returned so that the backend copies the data before
+        anything is stored.  Window pages no later query can see are given
+        back first, so their room serves this step.
 
         Parameters
         ----------
@@ -329,8 +494,8 @@ cdef class PageTables:
             Cap on any sequence's length.
         token_ids : ndarray, shape [total_new], int32, optional
             The new tokens, flat.  With prefix caching, pages they fill join
-            the prefix index; a sequence appended without them stops caching
-            until truncated back to its known tokens.
+            the prefix index once the step is closed; a sequence appended
+            without them stops caching until truncated back to its known tokens.
 
         Returns
         -------
@@ -339,27 +504,36 @@ cdef class PageTables:
             ``slot_mapping`` [total_new] int64, ``page_indptr`` [B+1] int32,
             ``page_indices`` [nnz] int32, ``last_page_len`` [B] int32,
             ``block_table`` [B, max_pages] int32 (-1 padded),
-            ``copy_src`` / ``copy_dst`` [num_copies] int32.
+            ``copy_src`` / ``copy_dst`` [num_copies] int32; with a window pool
+            also ``window_slot_mapping``, ``window_page_indices`` (-1 for
+            pages given back), ``window_block_table``, ``window_copy_src`` /
+            ``window_copy_dst`` (the window lists have the full lists'
+            lengths, so ``page_indptr`` and ``last_page_len`` serve both).
         """
         cdef int64_t[::1] ids = seq_ids
         cdef int64_t[::1] counts = num_new_tokens
         cdef int32_t[::1] tokens
         cdef bint track = self.caching and token_ids is not None
+        cdef bint windowed = self.windowed
         cdef Py_ssize_t B = ids.shape[0], b
         cdef int64_t ps = self.page_size
         cdef int64_t cap = -1 if max_seq_len is None else max_seq_len
         cdef vector[PkvSequence*] batch
         # copies this step will make per shared page: the last writer of a
         # page shared only within the step keeps it instead of copying
-        cdef unordered_map[int32_t, int32_t] copies_of
+        cdef unordered_map[int32_t, int32_t] copies_of, window_copies_of
         cdef vector[vector[uint64_t]] hashes
+        cdef vector[char] copy_full, copy_window
         cdef PkvSequence* seq
-        cdef int64_t needed = 0, new_len, total_new = 0, nnz = 0, num_copies = 0, max_pages = 0
-        cdef int64_t row = 0, pos, j, c = 0
+        cdef int64_t needed = 0, window_needed = 0, new_len, total_new = 0, nnz = 0
+        cdef int64_t num_copies = 0, num_window_copies = 0, max_pages = 0
+        cdef int64_t row = 0, c = 0, wc = 0, old_len
 
         # Pass 1: validate everything, count pages and hash the pages this step
         # fills (a user hash function may raise); nothing changes yet.
         batch.reserve(B)
+        copy_full.resize(B)
+        copy_window.resize(B)
         self.num_steps += 1
         if track:
             tokens = token_ids
@@ -376,11 +550,20 @@ cdef class PageTables:
             if new_len >= 2**31:
                 raise ValueError(f"num_new_tokens: sequence {ids[b]} would reach {new_len} tokens, "
                                  f"over the int32 limit of the tables")
-            if self.must_copy(seq, counts[b], copies_of):
+            copy_full[b] = must_copy(self.allocator, seq.pages, seq.length, ps, counts[b],
+                                     copies_of)
+            if copy_full[b]:
                 copies_of[seq.pages.back()] += 1
-                needed += 1
                 num_copies += 1
-            needed += pages_for(new_len, ps) - <int64_t>seq.pages.size()
+            needed += copy_full[b] + pages_for(new_len, ps) - <int64_t>seq.pages.size()
+            if windowed:
+                copy_window[b] = must_copy(self.window_allocator, seq.window_pages, seq.length,
+                                           ps, counts[b], window_copies_of)
+                if copy_window[b]:
+                    window_copies_of[seq.window_pages.back()] += 1
+                    num_window_copies += 1
+                window_needed += copy_window[b] + pages_for(new_len, ps) \
+                    - <int64_t>seq.window_pages.size() - self.window_pages_freed(seq, new_len)
             if track and <int64_t>seq.tokens.size() == seq.length:
                 self.new_page_hashes(seq, counts[b], &tokens[total_new] if counts[b] else NULL,
                                      hashes[b])
@@ -389,8 +572,15 @@ cdef class PageTables:
             max_pages = max(max_pages, pages_for(new_len, ps))
             batch.push_back(seq)
         if needed > self.allocator.num_free_pages:
-            raise OutOfPagesError(f"append: this step needs {needed} new pages, "
-                                  f"{self.allocator.num_free_pages} of {self.allocator.num_pages} free")
+            raise OutOfPagesError(
+                f"append: this step needs {needed} new pages, {self.allocator.num_free_pages} "
+                f"of {self.allocator.num_pages} free"
+                + (" in the full-attention pool" if windowed else ""))
+        if windowed and window_needed > self.window_allocator.num_free_pages:
+            raise OutOfPagesError(
+                f"append: this step needs {window_needed} new window pages, "
+                f"{self.window_allocator.num_free_pages} of {self.window_allocator.num_pages} "
+                f"free in the window pool (the sliding-window layers; num_window_pages)")
 
         out = {
             "query_start": np.empty(B + 1, dtype=np.int32),
@@ -403,15 +593,27 @@ cdef class PageTables:
             "copy_src": np.empty(num_copies, dtype=np.int32),
             "copy_dst": np.empty(num_copies, dtype=np.int32),
         }
+        if windowed:
+            out.update({
+                "window_slot_mapping": np.empty(total_new, dtype=np.int64),
+                "window_page_indices": np.empty(nnz, dtype=np.int32),
+                "window_block_table": np.full((B, max_pages), -1, dtype=np.int32),
+                "window_copy_src": np.empty(num_window_copies, dtype=np.int32),
+                "window_copy_dst": np.empty(num_window_copies, dtype=np.int32),
+            })
         cdef int32_t[::1] query_start = out["query_start"], seq_lens = out["seq_lens"]
         cdef int64_t[::1] slot_mapping = out["slot_mapping"]
         cdef int32_t[::1] page_indptr = out["page_indptr"], page_indices = out["page_indices"]
         cdef int32_t[::1] last_page_len = out["last_page_len"]
         cdef int32_t[:, ::1] block_table = out["block_table"]
         cdef int32_t[::1] copy_src = out["copy_src"], copy_dst = out["copy_dst"]
-        cdef int32_t page
+        # (the window views alias the full ones when there is no window pool; never written)
+        cdef int64_t[::1] w_slot_mapping = out.get("window_slot_mapping", out["slot_mapping"])
+        cdef int32_t[::1] w_page_indices = out.get("window_page_indices", out["page_indices"])
+        cdef int32_t[:, ::1] w_block_table = out.get("window_block_table", out["block_table"])
+        cdef int32_t[::1] w_copy_src = out.get("window_copy_src", out["copy_src"])
+        cdef int32_t[::1] w_copy_dst = out.get("window_copy_dst", out["copy_dst"])
         cdef size_t n_pages
-        copies_of.clear()
         self.abandon_step()      # a previous step not stored in full is given up
 
         # Pass 2: commit (cannot fail) and fill the tables.
@@ -420,31 +622,29 @@ cdef class PageTables:
             page_indptr[0] = 0
             for b in range(B):
                 seq = batch[b]
-                # copies_of stays empty here: the decrefs below are real now
-                if self.must_copy(seq, counts[b], copies_of):
-                    page = self.allocator.take_page()
-                    copy_src[c] = seq.pages.back()
-                    copy_dst[c] = page
-                    c += 1
-                    self.allocator.decref_page(seq.pages.back())
-                    seq.pages[seq.pages.size() - 1] = page
-                new_len = seq.length + counts[b]
-                while <int64_t>seq.pages.size() < pages_for(new_len, ps):
-                    seq.pages.push_back(self.allocator.take_page())
+                old_len = seq.length
+                new_len = old_len + counts[b]
+                grow(self.allocator, seq.pages, pages_for(new_len, ps), copy_src, copy_dst, &c,
+                     copy_full[b])
+                if windowed:
+                    if counts[b]:
+                        self.release_window(seq, self.keep_from(old_len, new_len))
+                    grow(self.window_allocator, seq.window_pages, pages_for(new_len, ps),
+                         w_copy_src, w_copy_dst, &wc, copy_window[b])
                 if track and <int64_t>seq.tokens.size() == seq.length:
                     self.open_seqs.push_back(pair[int64_t, int64_t](ids[b], seq.length))
                     if counts[b] > 0:   # (row may be one past the end of tokens otherwise)
                         seq.tokens.insert(seq.tokens.end(), &tokens[row],
                                           &tokens[row] + counts[b])
                     self.record_full_pages(ids[b], seq, hashes[b])
-                for pos in range(seq.length, new_len):
-                    slot_mapping[row] = <int64_t>seq.pages[pos // ps] * ps + pos % ps
-                    row += 1
-                seq.length = new_len
                 n_pages = seq.pages.size()
-                if n_pages:
-                    memcpy(&page_indices[page_indptr[b]], seq.pages.data(), n_pages * sizeof(int32_t))
-                    memcpy(&block_table[b, 0], seq.pages.data(), n_pages * sizeof(int32_t))
+                write_tables(seq.pages, old_len, new_len, ps, row, slot_mapping,
+                             &page_indices[page_indptr[b]], &block_table[b, 0])
+                if windowed:
+                    write_tables(seq.window_pages, old_len, new_len, ps, row, w_slot_mapping,
+                                 &w_page_indices[page_indptr[b]], &w_block_table[b, 0])
+                row += counts[b]
+                seq.length = new_len
                 page_indptr[b + 1] = page_indptr[b] + <int32_t>n_pages
                 query_start[b + 1] = <int32_t>row
                 seq_lens[b] = <int32_t>new_len
@@ -488,7 +688,9 @@ cdef class PageTables:
         prefix index, in chain order.
 
         A page joins only if its parent page is cached: the chain is what a
-        later prompt is matched against.  Returns how many pages joined.
+        later prompt is matched against.  The window page at the same place
+        joins the window pool's index under the full page's entry.  Returns
+        how many full pages joined.
         """
         cdef size_t i
         cdef int64_t parent_entry, j
@@ -505,10 +707,15 @@ cdef class PageTables:
                     (j + 1) * self.page_size > <int64_t>seq.tokens.size():
                 continue
             parent_entry = ROOT_ENTRY if j == 0 else self.allocator.entry_of(seq.pages[j - 1])
-            if parent_entry != 0 and self.allocator.cache_page(
+            if parent_entry == 0 or not self.allocator.cache_page(
                     seq.pages[j], self.pending[i].hash, parent_entry,
                     &seq.tokens[j * self.page_size]):
-                joined += 1
+                continue
+            joined += 1
+            if self.windowed and seq.window_pages[j] != RELEASED:
+                self.window_allocator.cache_page(
+                    seq.window_pages[j], <uint64_t>self.allocator.entry_of(seq.pages[j]),
+                    ROOT_ENTRY, &seq.tokens[j * self.page_size])
         self.pending.clear()
         self.open_seqs.clear()
         return joined

@@ -19,7 +19,7 @@ from pagedkv._exclusive import Guard, exclusive
 from pagedkv._memory import check_fits
 from pagedkv._page_table import PageTables
 from pagedkv._validate import check_int, check_int_vector, check_seq_id, check_tensor
-from pagedkv.attention_spec import AttentionSpec
+from pagedkv.attention_spec import MAX_WINDOW, AttentionSpec
 from pagedkv.backends import backend_class, resolve_backend
 from pagedkv.checkpoint import Checkpoint, CheckpointBook
 from pagedkv.errors import ArgumentTypeError
@@ -72,6 +72,22 @@ class PagedKVCache:
         ``prefix_hash(parent_hash: int, token_ids: tuple) -> int`` replaces the
         default deterministic page hash.  Hits are confirmed by comparing token
         ids, so even a constant function returns no wrong KV.
+    layer_windows : sequence of (int or None), shape [num_layers], optional
+        ``W`` makes a layer a sliding-window layer: its ``attention`` uses
+        ``sliding_window=W`` (or a smaller one passed to it), and its K/V live
+        in a second pool whose pages go back as soon as no later query can see
+        them, so such a layer holds about ``(W + new tokens of the step) /
+        page_size + 2`` pages per sequence, whatever its length.  ``None``
+        (the default for every layer) keeps full attention.
+    num_window_pages : int, optional
+        Pages of the windowed layers' pool, shared by every windowed layer
+        (default ``num_pages``; unused when no layer is windowed).
+    window_rollback_tokens : int, default 1
+        How far back ``truncate``/``restore`` can always roll a sequence:
+        window pages are kept for queries up to this many tokens before the
+        sequence's end.  Speculative decoding with ``k`` draft tokens wants
+        ``k + 1``.  A rollback further back than the kept pages allow is a
+        ``ValueError`` (rolling back to 0 always works).
     backend_options : dict, optional
         Settings of the chosen backend.  opencl: ``{"layout": {...}}`` forces
         attributes of its kernel layout (``KernelLayout``), e.g. the shape a
@@ -103,7 +119,8 @@ class PagedKVCache:
 
     def __init__(self, num_layers, num_kv_heads, head_dim, *, num_pages, page_size=16,
                  dtype="float32", max_seq_len=None, backend="auto", device=None,
-                 enable_prefix_caching=False, prefix_hash=None, backend_options=None):
+                 enable_prefix_caching=False, prefix_hash=None, layer_windows=None,
+                 num_window_pages=None, window_rollback_tokens=1, backend_options=None):
         self._guard = Guard()
         self.num_layers = check_int("num_layers", num_layers, minimum=1)
         self.num_kv_heads = check_int("num_kv_heads", num_kv_heads, minimum=1)
@@ -126,20 +143,34 @@ class PagedKVCache:
         if backend_options is not None and not isinstance(backend_options, dict):
             raise ArgumentTypeError(f"backend_options: expected a dict, got "
                                     f"{type(backend_options).__name__}")
-        pool_bytes = 2 * self.num_layers * num_pages * self.num_kv_heads * self.page_size \
-            * self.head_dim * self.dtype.itemsize
-        bookkeeping = num_pages * (_ALLOCATOR_BYTES_PER_PAGE + enable_prefix_caching
-                                   * self.page_size * _ALLOCATOR_BYTES_PER_CACHED_TOKEN)
-        check_fits(pool_bytes + bookkeeping,
-                   f"num_pages: {num_pages} pages of {self.num_layers} layers")
+        self.layer_windows = self._check_windows(layer_windows)
+        windowed = any(w is not None for w in self.layer_windows)
+        num_window_pages = num_pages if num_window_pages is None else \
+            check_int("num_window_pages", num_window_pages, minimum=1, maximum=2**31 - 1)
+        rollback = check_int("window_rollback_tokens", window_rollback_tokens, minimum=1,
+                             maximum=2**31 - 1)
+        if not windowed:
+            num_window_pages = 0
+        layer_pages = [num_pages if w is None else num_window_pages for w in self.layer_windows]
+        page_bytes = self.num_kv_heads * self.page_size * self.head_dim * self.dtype.itemsize
+        per_page = _ALLOCATOR_BYTES_PER_PAGE + enable_prefix_caching * self.page_size \
+            * _ALLOCATOR_BYTES_PER_CACHED_TOKEN
+        check_fits(2 * page_bytes * sum(layer_pages) + per_page * (num_pages + num_window_pages),
+                   f"num_pages: {num_pages} pages of {self.num_layers} layers"
+                   + (f" and {num_window_pages} window pages" if windowed else ""))
         self.backend = resolve_backend(backend)
         self._backend = backend_class(self.backend)(
-            num_layers=self.num_layers, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
-            num_pages=num_pages, page_size=self.page_size, dtype=self.dtype, device=device,
-            options=backend_options)
+            num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, layer_pages=layer_pages,
+            page_size=self.page_size, dtype=self.dtype, device=device, options=backend_options)
         self.prefix_caching = enable_prefix_caching
         self._allocator = PageAllocator(num_pages, self.page_size, enable_prefix_caching)
-        self._tables = PageTables(self._allocator, prefix_hash)
+        self._window_allocator = PageAllocator(num_window_pages, self.page_size,
+                                               enable_prefix_caching) if windowed else None
+        self._tables = PageTables(
+            self._allocator, prefix_hash, self._window_allocator,
+            max((w for w in self.layer_windows if w is not None), default=0), rollback)
+        self._pool_layers = ([i for i, w in enumerate(self.layer_windows) if w is None],
+                             [i for i, w in enumerate(self.layer_windows) if w is not None])
         self._checkpoints = CheckpointBook(self)
         self._generation = 0
         self._last_batch = None
@@ -154,6 +185,24 @@ class PagedKVCache:
     def __reduce__(self):
         raise TypeError("PagedKVCache cannot be pickled: its pools live in this process "
                         "(or on its OpenCL device)")
+
+    def _check_windows(self, layer_windows):
+        """``layer_windows`` as a tuple of ``num_layers`` entries, None or an int >= 1."""
+        if layer_windows is None:
+            return (None,) * self.num_layers
+        if isinstance(layer_windows, (str, bytes)) or not hasattr(layer_windows, "__len__"):
+            raise ArgumentTypeError(f"layer_windows: expected a sequence of {self.num_layers} "
+                                    f"entries (None or an int >= 1), got {layer_windows!r}"[:200])
+        if len(layer_windows) != self.num_layers:
+            raise ValueError(f"layer_windows: expected {self.num_layers} entries (one per "
+                             f"layer), got {len(layer_windows)}")
+        windows = []
+        for layer, w in enumerate(layer_windows):
+            if w is not None:
+                w = check_int(f"layer_windows[{layer}]", w, minimum=1)
+                w = min(w, MAX_WINDOW)
+            windows.append(w)
+        return tuple(windows)
 
     @staticmethod
     def _check_dtype(dtype):
@@ -179,8 +228,20 @@ class PagedKVCache:
         return self._allocator.num_free
 
     @property
+    @exclusive
+    def num_window_pages(self):
+        """Pages in the windowed layers' pool (0 when no layer is windowed)."""
+        return self._window_allocator.num_pages if self._window_allocator else 0
+
+    @property
+    @exclusive
+    def num_free_window_pages(self):
+        """Window pages an ``append`` can take now (0 when no layer is windowed)."""
+        return self._window_allocator.num_free if self._window_allocator else 0
+
+    @property
     def memory_bytes(self):
-        """Bytes of K/V page storage (all layers, K and V)."""
+        """Bytes of K/V page storage (all layers, K and V, both pools)."""
         return self._backend.memory_bytes
 
     @exclusive
@@ -196,6 +257,17 @@ class PagedKVCache:
     def page_ids(self, seq_id):
         """The sequence's page ids in order; ndarray, shape [page_count], int32."""
         return self._tables.pages(seq_id)
+
+    @exclusive
+    def window_page_count(self, seq_id):
+        """Pages the sequence holds in the window pool (0 when no layer is windowed)."""
+        return self._tables.held_pages(seq_id) if self._window_allocator else 0
+
+    @exclusive
+    def window_page_ids(self, seq_id):
+        """The sequence's window-pool page ids in position order, -1 for pages given
+        back; ndarray, shape [page_count], int32 (empty when no layer is windowed)."""
+        return self._tables.pages(seq_id, True)
 
     @exclusive
     def refcount(self, page_id):
@@ -337,10 +409,16 @@ class PagedKVCache:
         t = self._tables.append(ids, counts, self.max_seq_len,
                                 token_ids if self.prefix_caching else None)
         self._generation += 1
+        full_layers, window_layers = self._pool_layers
         if len(t["copy_src"]):
-            self._backend.copy_pages(t["copy_src"], t["copy_dst"])
+            self._backend.copy_pages(t["copy_src"], t["copy_dst"], full_layers)
+        if window_layers and len(t["window_copy_src"]):
+            self._backend.copy_pages(t["window_copy_src"], t["window_copy_dst"], window_layers)
         batch = StepBatch(self, self._generation, ids, t)
-        self._backend.prepare_step(batch._tables)
+        if full_layers:
+            self._backend.prepare_step(batch._tables)
+        if window_layers:
+            self._backend.prepare_step(batch._window_tables)
         self._last_batch = batch
         return batch
 
@@ -376,7 +454,7 @@ class PagedKVCache:
         native = self._backend.array_types
         k = check_tensor("k", k, shape, native_types=native)
         v = check_tensor("v", v, shape, native_types=native)
-        self._backend.store(layer, batch._tables, k, v)
+        self._backend.store(layer, batch._tables_of(self.layer_windows[layer]), k, v)
         batch._stored_layers.add(layer)
         if len(batch._stored_layers) == self.num_layers and self._tables.has_open_step:
             self._tables.close_step()
@@ -405,7 +483,8 @@ class PagedKVCache:
             ``W``: position ``p`` sees positions ``max(0, p - W + 1) .. p``, its
             ``W`` most recent ones itself included (Hugging Face's
             ``sliding_window``; FlashInfer's ``window_left`` is ``W - 1``).
-            Default: every position ``0 .. p`` (causal).
+            Default: every position ``0 .. p`` (causal), or the layer's own
+            window (``layer_windows``), which a larger value may not exceed.
         logits_soft_cap : float > 0, optional
             ``c``: each logit becomes ``c * tanh(x / c)`` before the softmax
             (Gemma 2's ``attn_logit_softcapping``; FlashInfer's ``logits_soft_cap``).
@@ -440,13 +519,20 @@ class PagedKVCache:
             head_dim=self.head_dim, num_heads=num_heads, scale=scale,
             sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, sinks=sinks,
             as_numpy=lambda x: to_numpy("sinks", x) if is_torch_tensor(x) else x)
+        window = self.layer_windows[layer]
+        if window is not None:
+            if spec.sliding_window is not None and spec.sliding_window > window:
+                raise ValueError(f"sliding_window: layer {layer} keeps only a window of "
+                                 f"{window} positions, got {spec.sliding_window}")
+            spec = spec.with_window(window)
+        tables = batch._tables_of(window)
         if layer not in batch._stored_layers and batch.num_tokens:
             raise ValueError(f"layer: K/V of layer {layer} were not stored for this step; "
                              f"call store({layer}, batch, k, v) first")
         if not as_torch:
-            return self._backend.attention(layer, batch._tables, q, spec)
+            return self._backend.attention(layer, tables, q, spec)
         out = sys.modules["torch"].empty(q.shape, dtype=sys.modules["torch"].float32)
-        self._backend.attention(layer, batch._tables, q, spec, out=out.numpy())
+        self._backend.attention(layer, tables, q, spec, out=out.numpy())
         return out
 
     # -- prefix cache ------------------------------------------------------------------
@@ -462,28 +548,41 @@ class PagedKVCache:
             ``num_shared_pages`` (held by more than one), ``num_cached_pages``
             (free but still holding a cached prefix: evictable),
             ``prefix_hit_rate`` (tokens reused / prompt tokens passed to
-            ``add_sequence``), ``num_evictions``.
+            ``add_sequence``), ``num_evictions``; with windowed layers, the
+            same for the window pool: ``num_free_window_pages``,
+            ``num_used_window_pages``, ``num_shared_window_pages``,
+            ``num_cached_window_pages``, ``num_window_evictions``.
         """
-        refcounts = self._allocator.refcount(np.arange(self._allocator.num_pages))
         prompt = self._tables.num_prompt_tokens
-        return {
-            "num_free_pages": self._allocator.num_free,
-            "num_used_pages": int((refcounts > 0).sum()),
-            "num_shared_pages": int((refcounts > 1).sum()),
-            "num_cached_pages": self._allocator.num_cached_free,
-            "prefix_hit_rate": self._tables.num_reused_tokens / prompt if prompt else 0.0,
-            "num_evictions": int(self._allocator.num_evictions),
-        }
+        stats = self._pool_stats(self._allocator, "pages")
+        stats["prefix_hit_rate"] = self._tables.num_reused_tokens / prompt if prompt else 0.0
+        stats["num_evictions"] = int(self._allocator.num_evictions)
+        if self._window_allocator is not None:
+            stats.update(self._pool_stats(self._window_allocator, "window_pages"))
+            stats["num_window_evictions"] = int(self._window_allocator.num_evictions)
+        return stats
+
+    @staticmethod
+    def _pool_stats(allocator, suffix):
+        refcounts = allocator.refcount(np.arange(allocator.num_pages))
+        return {f"num_free_{suffix}": allocator.num_free,
+                f"num_used_{suffix}": int((refcounts > 0).sum()),
+                f"num_shared_{suffix}": int((refcounts > 1).sum()),
+                f"num_cached_{suffix}": allocator.num_cached_free}
 
     @exclusive
     def reset_prefix_cache(self):
-        """Drop every cached page that no sequence uses; return how many."""
-        return self._allocator.reset_prefix_cache()
+        """Drop every cached page that no sequence uses (both pools); return how many."""
+        return self._allocator.reset_prefix_cache() + \
+            (self._window_allocator.reset_prefix_cache() if self._window_allocator else 0)
 
     # -- reading back ----------------------------------------------------------------
     @exclusive
     def gather(self, layer, seq_id, start=0):
         """The sequence's K and V of one layer, contiguous, from position ``start`` on.
+
+        A windowed layer holds only its recent positions: asking for positions
+        it gave back is a ``ValueError`` that says from where it holds them.
 
         Returns
         -------
@@ -492,11 +591,24 @@ class PagedKVCache:
         layer = check_int("layer", layer, minimum=0, maximum=self.num_layers - 1)
         length = self._tables.seq_len(seq_id)
         start = check_int("start", start, minimum=0, maximum=length)
-        return self._backend.gather(layer, self._tables.slots(seq_id, start, length))
+        return self._backend.gather(layer, self._slots(layer, seq_id, start, length, "start"))
+
+    def _slots(self, layer, seq_id, start, stop, name):
+        """Slots of positions start:stop in the layer's pool; a windowed layer's
+        positions given back are a ValueError naming ``name``."""
+        windowed = self.layer_windows[layer] is not None
+        if windowed and start < stop:
+            held_from = self._tables.window_held_from(seq_id)
+            if start < held_from:
+                raise ValueError(
+                    f"{name}: layer {layer} (sliding window {self.layer_windows[layer]}) holds "
+                    f"K/V of sequence {seq_id} only from position {held_from}; earlier ones "
+                    f"were given back, got {start}")
+        return self._tables.slots(seq_id, start, stop, windowed)
 
     @exclusive
     def read_token(self, layer, seq_id, pos):
-        """K and V of one token.
+        """K and V of one token (a windowed layer: only positions it still holds).
 
         Returns
         -------
@@ -505,7 +617,7 @@ class PagedKVCache:
         layer = check_int("layer", layer, minimum=0, maximum=self.num_layers - 1)
         length = self._tables.seq_len(seq_id)
         pos = check_int("pos", pos, minimum=0, maximum=length - 1)
-        k, v = self._backend.gather(layer, self._tables.slots(seq_id, pos, pos + 1))
+        k, v = self._backend.gather(layer, self._slots(layer, seq_id, pos, pos + 1, "pos"))
         return k[0], v[0]
 
     def __repr__(self):

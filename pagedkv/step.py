@@ -1,5 +1,4 @@
 """``StepBatch``: the slots and page tables of one ``append`` step, as an engine sees them."""
-
 from pagedkv.backends.base import StepTables
 
 
@@ -8,7 +7,48 @@ def _frozen(array):
     return array
 
 
-class StepBatch:
+class _ReadOnlyTables:
+    """Read-only copies of a step's tables, made on first access of each.
+
+    The kernels read the private originals, so no edit of these copies can
+    make ``store`` or ``attention`` touch other memory.
+    """
+
+    def __init__(self, private):
+        self._private = private
+        self._public = {}
+
+    def _view(self, name):
+        if name not in self._public:
+            self._public[name] = _frozen(self._private[name].copy())
+        return self._public[name]
+
+    slot_mapping = property(lambda self: self._view("slot_mapping"))
+    page_indptr = property(lambda self: self._view("page_indptr"))
+    page_indices = property(lambda self: self._view("page_indices"))
+    last_page_len = property(lambda self: self._view("last_page_len"))
+    block_table = property(lambda self: self._view("block_table"))
+
+
+class WindowTables(_ReadOnlyTables):
+    """The windowed layers' tables of one step, in the window pool (read-only).
+
+    Attributes
+    ----------
+    slot_mapping : ndarray, shape [total_new], int64
+    page_indptr : ndarray, shape [B+1], int32
+    page_indices : ndarray, shape [nnz], int32
+        ``-1`` for pages given back (positions no window of the step sees).
+    last_page_len : ndarray, shape [B], int32
+    block_table : ndarray, shape [B, max_pages], int32
+        ``-1`` for pages given back and past each sequence's pages.
+
+    A sequence's window page list has as many entries as its full one, so
+    ``page_indptr`` and ``last_page_len`` equal the batch's own.
+    """
+
+
+class StepBatch(_ReadOnlyTables):
     """The slots and page tables of one ``append`` step (host numpy arrays, read-only).
 
     Attributes
@@ -27,42 +67,49 @@ class StepBatch:
         CSR page table (FlashInfer / TVM layout).
     block_table : ndarray, shape [B, max_pages], int32
         Padded page table (vLLM layout), ``-1`` past each sequence's pages.
+    window_tables : WindowTables or None
+        The same tables in the window pool, which the sliding-window layers
+        (``layer_windows``) use; None when no layer is windowed.
 
-    The arrays are read-only copies: the kernels read private ones, so no
-    edit of these can make ``store`` or ``attention`` touch other memory.
+    These describe the full-attention layers' pool.  The arrays are read-only
+    copies: the kernels read private ones, so no edit of these can make
+    ``store`` or ``attention`` touch other memory.
 
     A batch is valid until the cache's pages next change (``append``,
     ``truncate``, ``restore``, ``free``, ``clear``): store every layer of a
     step before the next of those calls.
     """
 
-    _PUBLIC = ("query_start", "seq_lens", "slot_mapping", "page_indptr", "page_indices",
-               "last_page_len", "block_table")
-
     def __init__(self, cache, generation, seq_ids, tables):
+        names = ("query_start", "seq_lens", "slot_mapping", "page_indptr", "page_indices",
+                 "last_page_len", "block_table")
+        private = {name: _frozen(tables[name]) for name in names}
+        private["seq_ids"] = _frozen(seq_ids)
+        super().__init__(private)
         self._cache = cache
         self._generation = generation
-        self._private = {name: _frozen(tables[name]) for name in self._PUBLIC}
-        self._private["seq_ids"] = _frozen(seq_ids)
-        self._public = {}
         self._stored_layers = set()
-        p = self._private
+        p = private
         self._tables = StepTables(p["query_start"], p["seq_lens"], p["slot_mapping"],
                                   p["page_indptr"], p["page_indices"])
+        self.window_tables = None
+        self._window_tables = None
+        if "window_slot_mapping" in tables:
+            window = {"page_indptr": p["page_indptr"], "last_page_len": p["last_page_len"]}
+            for name in ("slot_mapping", "page_indices", "block_table"):
+                window[name] = _frozen(tables["window_" + name])
+            self.window_tables = WindowTables(window)
+            self._window_tables = StepTables(p["query_start"], p["seq_lens"],
+                                             window["slot_mapping"], p["page_indptr"],
+                                             window["page_indices"])
 
-    def _view(self, name):
-        if name not in self._public:
-            self._public[name] = _frozen(self._private[name].copy())
-        return self._public[name]
+    def _tables_of(self, window):
+        """What the kernels of a layer with ``window`` (None: full attention) read."""
+        return self._tables if window is None else self._window_tables
 
     seq_ids = property(lambda self: self._view("seq_ids"))
     query_start = property(lambda self: self._view("query_start"))
     seq_lens = property(lambda self: self._view("seq_lens"))
-    slot_mapping = property(lambda self: self._view("slot_mapping"))
-    page_indptr = property(lambda self: self._view("page_indptr"))
-    page_indices = property(lambda self: self._view("page_indices"))
-    last_page_len = property(lambda self: self._view("last_page_len"))
-    block_table = property(lambda self: self._view("block_table"))
 
     @property
     def num_seqs(self):

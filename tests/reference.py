@@ -176,16 +176,34 @@ class Harness:
                 continue
             out = c.attention(layer, batch, q, **variant)
             assert out.shape == q.shape and out.dtype == np.float32
-            np.testing.assert_allclose(out, self.ref.attention(layer, seq_ids, counts, q,
-                                                               **variant), **self.tol)
+            np.testing.assert_allclose(out, self.ref.attention(
+                layer, seq_ids, counts, q, **self.layer_variant(layer, variant)), **self.tol)
         return batch
 
+    def layer_variant(self, layer, variant):
+        """The variant a layer computes: its own window (``layer_windows``), or a
+        smaller one passed to ``attention``."""
+        window = self.cache.layer_windows[layer]
+        if window is None:
+            return variant
+        asked = variant.get("sliding_window")
+        return dict(variant, sliding_window=window if asked is None else min(asked, window))
+
+    def held_from(self, layer, s):
+        """The first position whose K/V layer ``layer`` still holds for sequence ``s``."""
+        if self.cache.layer_windows[layer] is None:
+            return 0
+        held = np.flatnonzero(self.cache.window_page_ids(s) >= 0)
+        return int(held[0]) * self.cache.page_size if len(held) else self.cache.seq_len(s)
+
     def check_contents(self):
-        """Every live sequence reads back exactly what was written."""
+        """Every live sequence reads back exactly what was written (a windowed
+        layer: the positions it still holds)."""
         assert sorted(self.cache.seq_ids()) == sorted(self.ref.k)
         for s in self.ref.k:
             assert self.cache.seq_len(s) == self.ref.seq_len(s)
             for layer in range(self.cache.num_layers):
-                k, v = self.cache.gather(layer, s)
-                np.testing.assert_array_equal(k, self.ref.k[s][layer])
-                np.testing.assert_array_equal(v, self.ref.v[s][layer])
+                start = self.held_from(layer, s)
+                k, v = self.cache.gather(layer, s, start)
+                np.testing.assert_array_equal(k, self.ref.k[s][layer][start:])
+                np.testing.assert_array_equal(v, self.ref.v[s][layer][start:])

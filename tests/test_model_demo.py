@@ -11,7 +11,7 @@ import dataclasses
 import pytest
 
 from test_model_gemma import CONFIG as GEMMA_CONFIG
-from test_model_gemma import needs_window_pool, random_checkpoint, write_gemma_gguf
+from test_model_gemma import random_checkpoint, write_gemma_gguf
 from test_model_gguf import require, write_gguf
 
 
@@ -140,7 +140,6 @@ def test_pool_check_unit():
         check_pool([17], args, max_seq_len=64)
 
 
-@needs_window_pool
 def test_a_gemma_file_runs_with_its_windows(tmp_path, capsys):
     from test_model_gguf import sentencepiece_metadata
     config = dataclasses.replace(

@@ -10,7 +10,6 @@ norms, tanh-GELU, scaled and tied embeddings.  It is also written to a
 ``gemma3`` GGUF and loaded back.
 """
 import dataclasses
-import inspect
 
 import numpy as np
 import pytest
@@ -23,20 +22,13 @@ from pagedkv.models.gemma import (GemmaConfig, GemmaLayerWeights, GemmaModel,
                                   gemma3_layer_windows)
 from pagedkv.models.llama import LlamaWeights
 
+# whole-model tests: on the primary OpenCL device only (tests/conftest.py)
+pytestmark = pytest.mark.one_opencl_device
+
 CONFIG = GemmaConfig(vocab_size=61, hidden_size=32, intermediate_size=48, num_layers=3,
                      num_heads=2, num_kv_heads=1, head_dim=16, rope_theta=1e6,
                      rms_norm_eps=1e-6, max_position=128, layer_windows=(4, 4, None))
 LOGIT_TOLERANCE = 2e-5          # float32 model vs float64 reference, relative to the logits' scale
-
-
-def cache_has_windows():
-    """True once ``PagedKVCache`` takes ``layer_windows`` (the cache side of issue 10)."""
-    return "layer_windows" in inspect.signature(pagedkv.PagedKVCache).parameters
-
-
-needs_window_pool = pytest.mark.skipif(
-    not cache_has_windows(), reason="needs PagedKVCache(layer_windows=...), the cache side of "
-                                    "issue 10, which this branch does not have yet")
 
 
 def random_checkpoint(config, seed=0):
@@ -228,7 +220,6 @@ def test_engine_over_a_full_attention_cache(backend, checkpoint):
     assert_engine_matches_dense(checkpoint, config, prompts, events)
 
 
-@needs_window_pool
 def test_engine_over_the_window_pool(backend, checkpoint, model):
     """Sequences well past the window of 4, through a cache that keeps only the window."""
     rng = np.random.default_rng(4)

@@ -20,8 +20,10 @@ import pytest
 
 import pagedkv
 from dense_kv import greedy
-from test_model_gemma import needs_window_pool
 from test_model_gguf import load_with_tokenizer, require_model
+
+# whole-model tests: on the primary OpenCL device only (tests/conftest.py)
+pytestmark = pytest.mark.one_opencl_device
 
 REFERENCE = json.loads(Path(__file__).with_name("gemma3_270m_greedy.json").read_text())["cases"]
 SHORT = "Once upon a time, in a small village,"
@@ -106,7 +108,6 @@ def test_short_prompt_through_the_engine_alone_and_batched(gemma3, backend):
     assert all(len(engine.requests[r].output_ids) == 6 for r in others)
 
 
-@needs_window_pool
 def test_long_prompt_through_the_window_pool(gemma3, backend):
     """The 889-token prompt through windowed layers that keep only their window: alone, in a
     batch with the short prompt, and twice with prefix caching (the second a cache hit)."""
@@ -121,7 +122,6 @@ def test_long_prompt_through_the_window_pool(gemma3, backend):
     assert engine.cache.stats()["prefix_hit_rate"] > 0           # the second run hit the cache
 
 
-@needs_window_pool
 def test_demo_by_name(gemma3):
     """``python -m pagedkv demo --model gemma3`` finds the model and continues the short prompt
     as the reference does."""

@@ -3,7 +3,8 @@
 ``PagedKVCache`` validates every argument before it calls a backend, so a
 backend may assume well-formed input:
 
-* pools: per layer, K and V, ``[num_pages, num_kv_heads, page_size, head_dim]``;
+* pools: per layer, K and V, ``[layer_pages[layer], num_kv_heads, page_size, head_dim]``
+  (full-attention and windowed layers draw on pools of different sizes);
 * ``k``, ``v``: ``[total_new, num_kv_heads, head_dim]``, ``q``:
   ``[total_new, num_heads, head_dim]`` with ``num_heads % num_kv_heads == 0``,
   each a float numpy array (any strides) or one of ``array_types``;
@@ -74,8 +75,9 @@ class Backend:
         """Whether ``backend="auto"`` should take this backend when it can run."""
         return True
 
-    def __init__(self, *, num_layers, num_kv_heads, head_dim, num_pages, page_size,
-                 dtype, device=None, options=None):
+    def __init__(self, *, num_kv_heads, head_dim, layer_pages, page_size, dtype, device=None,
+                 options=None):
+        """Pools for ``len(layer_pages)`` layers; layer ``l`` has ``layer_pages[l]`` pages."""
         raise NotImplementedError
 
     @property
@@ -87,8 +89,8 @@ class Backend:
         """Called once per ``append`` with its :class:`StepTables`; may set ``tables.device``."""
         raise NotImplementedError
 
-    def copy_pages(self, src, dst):
-        """Copy pages ``src[i] -> dst[i]`` (int32 arrays) in every layer, K and V."""
+    def copy_pages(self, src, dst, layers):
+        """Copy pages ``src[i] -> dst[i]`` (int32 arrays) in each of ``layers``, K and V."""
         raise NotImplementedError
 
     def store(self, layer, tables, k, v):

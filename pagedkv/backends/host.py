@@ -76,26 +76,26 @@ class HostBackend(Backend):
     def unavailable_reason(cls):
         return None
 
-    def __init__(self, *, num_layers, num_kv_heads, head_dim, num_pages, page_size,
-                 dtype, device=None, options=None):
+    def __init__(self, *, num_kv_heads, head_dim, layer_pages, page_size, dtype, device=None,
+                 options=None):
         if device is not None:
             raise ValueError(f"device: the host backend takes no device, got {device!r}")
         if options:
             raise ValueError(f"backend_options: the host backend takes none, got {options!r}")
-        shape = (num_layers, num_pages, num_kv_heads, page_size, head_dim)
         self.dtype = np.dtype(dtype)
         # float16 pools are handed to the kernels as their uint16 bits
-        self._k = np.zeros(shape, dtype=self.dtype)
-        self._v = np.zeros(shape, dtype=self.dtype)
+        self._k = [np.zeros((n, num_kv_heads, page_size, head_dim), self.dtype) for n in layer_pages]
+        self._v = [np.zeros((n, num_kv_heads, page_size, head_dim), self.dtype) for n in layer_pages]
         self._kernel_view = (lambda a: a.view(np.uint16)) if self.dtype == np.float16 \
             else (lambda a: a)
         self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
         self.page_size = page_size
         self.num_threads = _max_threads()
 
     @property
     def memory_bytes(self):
-        return self._k.nbytes + self._v.nbytes
+        return sum(k.nbytes + v.nbytes for k, v in zip(self._k, self._v))
 
     @staticmethod
     def _host_f32(x):
@@ -104,9 +104,10 @@ class HostBackend(Backend):
     def prepare_step(self, tables):
         pass  # the tables are host arrays already
 
-    def copy_pages(self, src, dst):
-        self._k[:, dst] = self._k[:, src]
-        self._v[:, dst] = self._v[:, src]
+    def copy_pages(self, src, dst, layers):
+        for layer in layers:
+            self._k[layer][dst] = self._k[layer][src]
+            self._v[layer][dst] = self._v[layer][src]
 
     def store(self, layer, tables, k, v):
         k, v = self._host_f32(k), self._host_f32(v)
@@ -151,12 +152,12 @@ class HostBackend(Backend):
             heads_per_item=heads_per_item, sliding_window=sliding_window)
         rows = items[:, ITEM.ROW1] - items[:, ITEM.ROW0]
         keys = items[:, ITEM.KEY1] - items[:, ITEM.KEY0]
-        work = int((rows * keys).sum()) * heads_per_item * group * self._k.shape[-1]
+        work = int((rows * keys).sum()) * heads_per_item * group * self.head_dim
         return _HostPlan(items, item_offsets, heads_per_item, int(rows.max(initial=0)),
                          _threads_for(work, self.num_threads))
 
     def gather(self, layer, slots):
-        shape = (len(slots), self._k.shape[2], self._k.shape[4])
+        shape = (len(slots), self.num_kv_heads, self.head_dim)
         k = np.empty(shape, dtype=np.float32)
         v = np.empty(shape, dtype=np.float32)
         threads = _fork_safe(_threads_for(k.size, self.num_threads))

@@ -111,8 +111,8 @@ class OpenCLBackend(Backend):
     def suits_auto(cls):
         return has_preferred_device()
 
-    def __init__(self, *, num_layers, num_kv_heads, head_dim, num_pages, page_size,
-                 dtype, device=None, options=None):
+    def __init__(self, *, num_kv_heads, head_dim, layer_pages, page_size, dtype, device=None,
+                 options=None):
         layout_overrides = self._check_options(options)
         reason = unavailable_reason()
         if reason is not None:
@@ -123,9 +123,11 @@ class OpenCLBackend(Backend):
         self._pid = os.getpid()
         self.context, self.device = select_device(device)
         self.dtype = np.dtype(dtype)
+        num_layers = len(layer_pages)
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
-        self.num_pages, self.page_size = num_pages, page_size
+        self.layer_pages, self.page_size = list(layer_pages), page_size
         self._page_elems = num_kv_heads * page_size * head_dim
+        num_pages = max(layer_pages)
         layer_bytes = num_pages * self._page_elems * self.dtype.itemsize
         device_name = self.device.name.strip()
         if num_layers > _MAX_LAYERS:
@@ -151,11 +153,12 @@ class OpenCLBackend(Backend):
         self._last_events = None
         try:
             self._k, self._v = [], []
-            for _ in range(num_layers):
+            for pages in layer_pages:
+                nbytes = pages * self._page_elems * self.dtype.itemsize
                 for pools in (self._k, self._v):
-                    buf = cl.Buffer(self.context, cl.mem_flags.READ_WRITE, layer_bytes)
+                    buf = cl.Buffer(self.context, cl.mem_flags.READ_WRITE, nbytes)
                     # zeros, like the host backend: a slot never stored reads back as 0
-                    cl.enqueue_fill_buffer(self.queue, buf, np.zeros(1, np.uint8), 0, layer_bytes)
+                    cl.enqueue_fill_buffer(self.queue, buf, np.zeros(1, np.uint8), 0, nbytes)
                     pools.append(buf)
             self.queue.finish()
         except cl.MemoryError as exc:
@@ -206,7 +209,7 @@ class OpenCLBackend(Backend):
     # -- helpers --------------------------------------------------------------------
     @property
     def memory_bytes(self):
-        return 2 * self.num_layers * self.num_pages * self._page_elems * self.dtype.itemsize
+        return 2 * sum(self.layer_pages) * self._page_elems * self.dtype.itemsize
 
     def is_native(self, array):
         return _cl_array is not None and isinstance(array, _cl_array.Array)
@@ -294,15 +297,15 @@ class OpenCLBackend(Backend):
             name: self._upload(getattr(tables, name)) if len(getattr(tables, name)) else None
             for name in ("slot_mapping", "page_indptr", "page_indices")}
 
-    def copy_pages(self, src, dst):
+    def copy_pages(self, src, dst, layers):
         self._check_process()
         if not len(src):
             return
         src_d, dst_d = self._upload(src.astype(np.int32)), self._upload(dst.astype(np.int32))
-        for layer in range(self.num_layers):
+        for layer in layers:
             self._launch(self._k_copy, len(src) * self._page_elems, k_pool=self._k[layer],
                          v_pool=self._v[layer], src=src_d, dst=dst_d, num_copies=len(src),
-                         page_elems=self._page_elems, num_pages=self.num_pages)
+                         page_elems=self._page_elems, num_pages=self.layer_pages[layer])
 
     def store(self, layer, tables, k, v):
         self._check_process()
@@ -316,7 +319,7 @@ class OpenCLBackend(Backend):
             wait_for=k_wait + v_wait, k=kd, v=vd, slot_mapping=tables.device["slot_mapping"],
             k_pool=self._k[layer], v_pool=self._v[layer], num_tokens=num_tokens,
             num_kv_heads=self.num_kv_heads, page_size=self.page_size,
-            num_slots=self.num_pages * self.page_size)
+            num_slots=self.layer_pages[layer] * self.page_size)
         self._hand_back(k, v, event=event)
 
     def _hand_back(self, *arrays, event):
@@ -364,7 +367,7 @@ class OpenCLBackend(Backend):
             q=qd, k_pool=self._k[layer], v_pool=self._v[layer], page_indptr=t["page_indptr"],
             page_indices=t["page_indices"], items=plan.items, group=plan.group,
             num_groups=plan.num_groups, sub_groups=plan.sub_groups, page_size=self.page_size,
-            num_pages=self.num_pages, nnz=len(tables.page_indices), scale=spec.scale,
+            num_pages=self.layer_pages[layer], nnz=len(tables.page_indices), scale=spec.scale,
             soft_cap=spec.logits_soft_cap or 0.0, out=out, part_acc=part_acc,
             part_max=part_max, part_sum=part_sum, **variant)]
         if plan.num_segments:
@@ -406,7 +409,7 @@ class OpenCLBackend(Backend):
         self._launch(self._k_gather, n * self.num_kv_heads * self._vectors_per_row,
                      k_pool=self._k[layer], v_pool=self._v[layer], slots=slots_d, k_out=kd,
                      v_out=vd, num_slots_wanted=n, num_kv_heads=self.num_kv_heads,
-                     page_size=self.page_size, num_slots=self.num_pages * self.page_size)
+                     page_size=self.page_size, num_slots=self.layer_pages[layer] * self.page_size)
         kd.get(ary=k)
         vd.get(ary=v)
         return k, v
