@@ -22,6 +22,17 @@ def is_torch_tensor(x):
     return torch is not None and isinstance(x, torch.Tensor)
 
 
+def array_or_as_given(name, x):
+    """``x`` as an ndarray when it is a torch tensor or a ``__dlpack__`` object, else ``x``.
+
+    For arguments that also take plain sequences (``sinks``): lists, tuples
+    and ndarrays pass through unchanged for the caller's ``np.asarray``.
+    """
+    if isinstance(x, np.ndarray) or not (is_torch_tensor(x) or hasattr(x, "__dlpack__")):
+        return x
+    return to_numpy(name, x)
+
+
 def to_numpy(name, x):
     """``x`` (ndarray, torch CPU tensor or a CPU ``__dlpack__`` object) as an ndarray.
 
@@ -42,9 +53,21 @@ def to_numpy(name, x):
         if x.device.type != "cpu":
             raise ValueError(f"{name}: the torch tensor is on {x.device}; pagedkv's host and "
                              f"opencl backends read CPU memory: pass {name}.cpu()")
-        if x.dtype == sys.modules["torch"].bfloat16:   # numpy has no bfloat16
+        torch = sys.modules["torch"]
+        if x.layout != torch.strided:
+            raise ArgumentTypeError(f"{name}: expected a dense torch tensor, got layout "
+                                    f"{x.layout}; pass {name}.to_dense()")
+        if x.is_floating_point() and x.dtype not in (torch.float16, torch.bfloat16,
+                                                     torch.float32, torch.float64):
+            raise ArgumentTypeError(f"{name}: expected a float dtype (float16, bfloat16, "
+                                    f"float32 or float64), got {x.dtype}")
+        if x.dtype == torch.bfloat16:   # numpy has no bfloat16
             x = x.float()
-        return x.numpy()
+        try:
+            return x.resolve_neg().numpy()   # resolve_neg: a no-op unless a lazy negation
+        except (TypeError, RuntimeError) as exc:   # nested, quantized, tensor subclasses
+            raise ArgumentTypeError(f"{name}: numpy cannot read this torch tensor "
+                                    f"({exc})") from None
     if hasattr(x, "__dlpack__") and hasattr(x, "__dlpack_device__"):
         device_type, device_id = x.__dlpack_device__()
         if int(device_type) != _DLPACK_CPU:

@@ -72,5 +72,6 @@ def check_tensor(name, x, shape, *, native_types=()):
         want = "[" + ", ".join("*" if e is None else str(e) for e in shape) + "]"
         raise ValueError(f"{name}: expected shape {want}, got {list(got)}")
     if np.dtype(x.dtype).kind != "f":
-        raise ArgumentTypeError(f"{name}: expected a float dtype (float16/32/64), got {x.dtype}")
+        raise ArgumentTypeError(f"{name}: expected a float dtype (float16, bfloat16, float32 "
+                                f"or float64), got {x.dtype}")
     return x

@@ -14,7 +14,7 @@ import sys
 import numpy as np
 
 from pagedkv._allocator import PageAllocator
-from pagedkv._arrays import is_torch_tensor, to_numpy
+from pagedkv._arrays import array_or_as_given, is_torch_tensor
 from pagedkv._exclusive import Guard, exclusive
 from pagedkv._memory import check_fits
 from pagedkv._page_table import PageTables
@@ -518,7 +518,7 @@ class PagedKVCache:
         spec = AttentionSpec.from_arguments(
             head_dim=self.head_dim, num_heads=num_heads, scale=scale,
             sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, sinks=sinks,
-            as_numpy=lambda x: to_numpy("sinks", x) if is_torch_tensor(x) else x)
+            as_numpy=lambda x: array_or_as_given("sinks", x))
         window = self.layer_windows[layer]
         if window is not None:
             if spec.sliding_window is not None and spec.sliding_window > window:

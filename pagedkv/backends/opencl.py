@@ -214,15 +214,16 @@ class OpenCLBackend(Backend):
     def is_native(self, array):
         return _cl_array is not None and isinstance(array, _cl_array.Array)
 
-    def _upload(self, array):
-        """A device copy (pyopencl Array from the pool) of a non-empty host array.
+    def _upload(self, array, dtype=None):
+        """A device copy (pyopencl Array from the pool) of a non-empty host array,
+        converted to ``dtype`` (None: its own) in the same host copy.
 
         The transfer does not block: each blocking transfer costs a round
         trip through the driver (about 50 us on PoCL), four of them per layer
         before.  It reads a private host copy, so the caller may change its
         array at once; pyopencl keeps that copy alive until the transfer ran.
         """
-        return _cl_array.to_device(self.queue, np.array(array, order="C", copy=True),
+        return _cl_array.to_device(self.queue, np.array(array, dtype=dtype, order="C", copy=True),
                                    allocator=self._pool, async_=True)
 
     def _empty(self, shape):
@@ -251,7 +252,7 @@ class OpenCLBackend(Backend):
             What a kernel reading ``array`` must wait for.
         """
         if isinstance(x, np.ndarray):
-            return self._upload(np.asarray(x, dtype=np.float32)), []
+            return self._upload(x, np.float32), []   # one host copy converts and packs
         if not self.is_native(x):
             raise ArgumentTypeError(f"{name}: expected a numpy or pyopencl array, "
                                     f"got {type(x).__name__}")
