@@ -76,6 +76,16 @@
 #define PKV_MIN(a, b) ((a) < (b) ? (a) : (b))
 #define PKV_MAX(a, b) ((a) > (b) ? (a) : (b))
 
+/* A stored row's scale (int8), by its element offset; 1 for float formats. */
+#if PKV_SCALED
+#if !PKV_STAGE_K || !PKV_STAGE_V
+#error "int8 rows are dequantized into the staged tiles: build with PKV_STAGE_K=PKV_STAGE_V=1"
+#endif
+#define PKV_SCALE_OF(scales, row) ((scales)[(row) / PKV_D])
+#else
+#define PKV_SCALE_OF(scales, row) 1.0f
+#endif
+
 /* Where phases 1 and 3 read key rows: a local float copy, or the pool itself. */
 #if PKV_STAGE_K
 #define PKV_K_ROW(t) (k_tile + (t) * PKV_DV)
@@ -142,6 +152,8 @@ __kernel __attribute__((reqd_work_group_size(PKV_WG, 1, 1)))
 void paged_attention(__global const float* q,              /* [T, num_heads, D] */
                      __global const pkv_storage* k_pool,   /* [pages, H, page_size, D] */
                      __global const pkv_storage* v_pool,
+                     __global const float* k_scales,       /* int8: [pages, H, page_size] */
+                     __global const float* v_scales,
                      __global const int* page_indptr,      /* [B+1] */
                      __global const int* page_indices,     /* [nnz] */
                      __global const int* items,            /* [num_items, PKV_W_FIELDS] */
@@ -229,13 +241,19 @@ void paged_attention(__global const float* q,              /* [T, num_heads, D] 
             if (u < n_rows * PKV_SPLIT) {
                 const int t = u / PKV_SPLIT, d0 = (u % PKV_SPLIT) * PKV_SEGMENT;
                 const ulong row = key_row[t];
+#if PKV_STAGE_K
+                const float k_scale = PKV_SCALE_OF(k_scales, row);
+#endif
+#if PKV_STAGE_V
+                const float v_scale = PKV_SCALE_OF(v_scales, row);
+#endif
                 PKV_UNROLL
                 for (int d = d0; d < d0 + PKV_SEGMENT; ++d) {
 #if PKV_STAGE_K
-                    k_tile[t * PKV_DV + d] = PKV_VLOAD_S(d, k_pool + row);
+                    k_tile[t * PKV_DV + d] = PKV_VLOAD_S(d, k_pool + row) * k_scale;
 #endif
 #if PKV_STAGE_V
-                    v_tile[t * PKV_DV + d] = PKV_VLOAD_S(d, v_pool + row);
+                    v_tile[t * PKV_DV + d] = PKV_VLOAD_S(d, v_pool + row) * v_scale;
 #endif
                 }
             }

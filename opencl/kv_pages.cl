@@ -1,14 +1,79 @@
 /* Moving K/V in and out of the page pools: scatter by slot, gather by slot,
- * whole-page copies (copy-on-write), and half -> float conversion of inputs.
+ * whole-page copies (copy-on-write), half -> float conversion of inputs, and
+ * the rotation of int8 formats' queries and outputs.
  *
- * One work-item per vector of PKV_VW elements; consecutive work-items touch
- * consecutive memory, so accesses coalesce on GPUs and vectorise on CPUs.
- * Every slot and page id is checked against the pool before it is used:
- * a bad table can only skip work, never write out of bounds.
+ * Float formats: one work-item per vector of PKV_VW elements; consecutive
+ * work-items touch consecutive memory, so accesses coalesce on GPUs and
+ * vectorise on CPUs.  int8 (PKV_SCALED): one work-item per row, which it
+ * rotates and quantizes (or dequantizes and rotates back) whole.  Every slot
+ * and page id is checked against the pool before it is used: a bad table can
+ * only skip work, never write out of bounds.
  */
 #include "pkv_common.h"
 
-/* Write row (t, h) of k and v ([T, H, D] float) at slot_mapping[t]; -1 skips. */
+#if PKV_SCALED
+/* int8 formats: quantize row (t, h) of k and v ([T, H, D] float) into
+   slot_mapping[t]; -1 skips. */
+__kernel void scatter_kv_int8(__global const float* k, __global const float* v,
+                              __global const long* slot_mapping,
+                              __global char* k_pool, __global char* v_pool,
+                              __global float* k_scales, __global float* v_scales,
+                              const int num_tokens, const int num_kv_heads, const int page_size,
+                              const long num_slots) {
+    const ulong gid = get_global_id(0);
+    const ulong t = gid / (ulong)num_kv_heads;
+    if (t >= (ulong)num_tokens) return;
+    const int h = (int)(gid - t * (ulong)num_kv_heads);
+    const long slot = slot_mapping[t];
+    if (slot < 0 || slot >= num_slots) return;
+    const ulong dst = pkv_row((int)(slot / page_size), h, (int)(slot % page_size),
+                              num_kv_heads, page_size);
+    float row[PKV_D];
+    for (int i = 0; i < PKV_D; ++i) row[i] = k[gid * PKV_D + i];
+    k_scales[dst / PKV_D] = pkv_quantize(row, k_pool + dst);
+    for (int i = 0; i < PKV_D; ++i) row[i] = v[gid * PKV_D + i];
+    v_scales[dst / PKV_D] = pkv_quantize(row, v_pool + dst);
+}
+
+/* int8 formats: k_out[i, h, :] / v_out[i, h, :] ([n, H, D] float) = the rows at
+   slots[i], dequantized and rotated back. */
+__kernel void gather_kv_int8(__global const char* k_pool, __global const char* v_pool,
+                             __global const float* k_scales, __global const float* v_scales,
+                             __global const long* slots,
+                             __global float* k_out, __global float* v_out,
+                             const int num_slots_wanted, const int num_kv_heads,
+                             const int page_size, const long num_slots) {
+#pragma OPENCL FP_CONTRACT OFF
+    const ulong gid = get_global_id(0);
+    const ulong i = gid / (ulong)num_kv_heads;
+    if (i >= (ulong)num_slots_wanted) return;
+    const int h = (int)(gid - i * (ulong)num_kv_heads);
+    const long slot = slots[i];
+    const bool ok = slot >= 0 && slot < num_slots;
+    const ulong src = ok ? pkv_row((int)(slot / page_size), h, (int)(slot % page_size),
+                                   num_kv_heads, page_size) : 0;
+    float row[PKV_D];
+    for (int pool = 0; pool < 2; ++pool) {
+        __global const char* values = pool ? v_pool : k_pool;
+        const float s = ok ? (pool ? v_scales : k_scales)[src / PKV_D] : 0.0f;
+        for (int d = 0; d < PKV_D; ++d) row[d] = ok ? (float)values[src + d] * s : 0.0f;
+        pkv_rotate(row);
+        __global float* out = pool ? v_out : k_out;
+        for (int d = 0; d < PKV_D; ++d) out[gid * PKV_D + d] = row[d];
+    }
+}
+
+/* Rows of x ([n, D] float) rotated in place (queries before attention, its output after). */
+__kernel void rotate_rows(__global float* x, const long n) {
+    const ulong r = get_global_id(0);
+    if (r >= (ulong)n) return;
+    float row[PKV_D];
+    for (int d = 0; d < PKV_D; ++d) row[d] = x[r * PKV_D + d];
+    pkv_rotate(row);
+    for (int d = 0; d < PKV_D; ++d) x[r * PKV_D + d] = row[d];
+}
+#else
+/* Float formats: write row (t, h) of k and v ([T, H, D] float) at slot_mapping[t]; -1 skips. */
 __kernel void scatter_kv(__global const float* k, __global const float* v,
                          __global const long* slot_mapping,
                          __global pkv_storage* k_pool, __global pkv_storage* v_pool,
@@ -51,6 +116,7 @@ __kernel void gather_kv(__global const pkv_storage* k_pool, __global const pkv_s
     PKV_VSTORE_F(kv, gid, k_out);
     PKV_VSTORE_F(vv, gid, v_out);
 }
+#endif
 
 /* Page dst[c] = page src[c] in both pools, as raw bits; page_elems = H * page_size * D. */
 __kernel void copy_pages(__global pkv_bits* k_pool, __global pkv_bits* v_pool,

@@ -1,7 +1,9 @@
 /* Shared by every pagedkv kernel: storage type, vector loads, pool addressing.
  *
  * Build options (set by pagedkv/backends/opencl.py):
- *   PKV_HALF      1: pools hold IEEE binary16 bits; 0: float
+ *   PKV_STORAGE   the pools' format, a number of pkv_storage.h
+ *   PKV_ROTATION_BLOCK, PKV_ROTATION_SCALE   int8 only: the Hadamard block rows
+ *                 are rotated by, and 1 / sqrt(block) as an exact hex float
  *   PKV_HEAD_DIM  D, floats per K/V/Q row
  *   PKV_VW        floats per vector: 1, 2, 4 or 8, dividing PKV_HEAD_DIM
  *
@@ -18,8 +20,14 @@
 #ifndef PKV_COMMON_H
 #define PKV_COMMON_H
 
-#if !defined(PKV_HALF) || !defined(PKV_HEAD_DIM) || !defined(PKV_VW)
-#error "build with -DPKV_HALF=0|1 -DPKV_HEAD_DIM=D -DPKV_VW=1|2|4|8"
+#include "pkv_storage.h"
+
+#if !defined(PKV_STORAGE) || !defined(PKV_HEAD_DIM) || !defined(PKV_VW)
+#error "build with -DPKV_STORAGE=<pkv_storage.h number> -DPKV_HEAD_DIM=D -DPKV_VW=1|2|4|8"
+#endif
+#ifndef PKV_ROTATION_BLOCK
+#define PKV_ROTATION_BLOCK 0
+#define PKV_ROTATION_SCALE 1.0f
 #endif
 #if PKV_HEAD_DIM % PKV_VW != 0
 #error "PKV_VW must divide PKV_HEAD_DIM"
@@ -37,6 +45,8 @@
 typedef float pkv_vec;
 typedef uint pkv_uvec;
 typedef ushort pkv_hvec;
+typedef char pkv_cvec;
+#define PKV_CONVERT_VEC convert_float
 #define PKV_WIDEN(h) ((uint)(h))
 #define PKV_AS_VEC as_float
 #define PKV_AS_UVEC as_uint
@@ -46,6 +56,8 @@ typedef ushort pkv_hvec;
 typedef float2 pkv_vec;
 typedef uint2 pkv_uvec;
 typedef ushort2 pkv_hvec;
+typedef char2 pkv_cvec;
+#define PKV_CONVERT_VEC convert_float2
 #define PKV_AS_VEC as_float2
 #define PKV_AS_UVEC as_uint2
 #define PKV_VSTORE_HALF vstore_half2
@@ -55,6 +67,8 @@ typedef ushort2 pkv_hvec;
 typedef float4 pkv_vec;
 typedef uint4 pkv_uvec;
 typedef ushort4 pkv_hvec;
+typedef char4 pkv_cvec;
+#define PKV_CONVERT_VEC convert_float4
 #define PKV_AS_VEC as_float4
 #define PKV_AS_UVEC as_uint4
 #define PKV_VSTORE_HALF vstore_half4
@@ -64,6 +78,8 @@ typedef ushort4 pkv_hvec;
 typedef float8 pkv_vec;
 typedef uint8 pkv_uvec;
 typedef ushort8 pkv_hvec;
+typedef char8 pkv_cvec;
+#define PKV_CONVERT_VEC convert_float8
 #define PKV_AS_VEC as_float8
 #define PKV_AS_UVEC as_uint8
 #define PKV_VSTORE_HALF vstore_half8
@@ -92,17 +108,30 @@ inline pkv_vec pkv_half_to_float(pkv_hvec bits) {
     return PKV_AS_VEC(PKV_AS_UVEC(magnitude) | ((h & 0x8000u) << 16));
 }
 
-/* -- storage ------------------------------------------------------------------------ */
-#if PKV_HALF
+/* -- storage ------------------------------------------------------------------------
+ * PKV_VLOAD_S: vector i of a stored row as floats (int8: unscaled);
+ * PKV_VSTORE_S: a float vector into a float format's row (int8 rows are
+ * written whole by pkv_quantize). */
+#if PKV_STORAGE == PKV_STORAGE_FLOAT16
 typedef ushort pkv_storage;   /* IEEE half bits */
 typedef ushort pkv_bits;      /* for raw copies */
 #define PKV_VLOAD_S(i, p) pkv_half_to_float(((const __global pkv_hvec*)(p))[i])
 #define PKV_VSTORE_S(x, i, p) PKV_CAT(PKV_VSTORE_HALF, _rte)((x), (i), (__global half*)(p))
-#else
+#elif PKV_STORAGE == PKV_STORAGE_INT8
+typedef char pkv_storage;
+typedef char pkv_bits;
+#define PKV_SCALED 1
+#define PKV_VLOAD_S(i, p) PKV_CONVERT_VEC(((const __global pkv_cvec*)(p))[i])
+#elif PKV_STORAGE == PKV_STORAGE_FLOAT32
 typedef float pkv_storage;
 typedef uint pkv_bits;
 #define PKV_VLOAD_S(i, p) (((const __global pkv_vec*)(p))[i])
 #define PKV_VSTORE_S(x, i, p) (((__global pkv_vec*)(p))[i] = (x))
+#else
+#error "PKV_STORAGE: not a format of pkv_storage.h"
+#endif
+#ifndef PKV_SCALED
+#define PKV_SCALED 0
 #endif
 /* float data (q, k, v inputs, outputs): aligned vector access */
 #define PKV_VLOAD_F(i, p) (((const __global pkv_vec*)(p))[i])
@@ -136,6 +165,47 @@ inline T name(T x) {                                                            
 }
 
 PKV_DEFINE_EXP(pkv_exp, float, int, as_float, as_int)
+
+/* -- int8 rows: the blocked Hadamard rotation and quantizing ------------------------
+ * Operation for operation the host's pagedkv/pkv_quant.h (same butterfly
+ * order, the same float32 constant, no fused multiply-adds, IEEE division:
+ * the program is built with -cl-fp32-correctly-rounded-divide-sqrt where
+ * the device has it, round to nearest even), so that both backends store
+ * the same bits. */
+
+/* x[0:PKV_D] <- its blocks times the orthonormal Hadamard matrix (its own inverse). */
+inline void pkv_rotate(float* x) {
+#pragma OPENCL FP_CONTRACT OFF
+#if PKV_ROTATION_BLOCK > 1
+    for (int b0 = 0; b0 < PKV_D; b0 += PKV_ROTATION_BLOCK)
+        for (int h = 1; h < PKV_ROTATION_BLOCK; h *= 2)
+            for (int i = b0; i < b0 + PKV_ROTATION_BLOCK; i += 2 * h)
+                for (int j = i; j < i + h; ++j) {
+                    const float a = x[j], c = x[j + h];
+                    x[j] = a + c;
+                    x[j + h] = a - c;
+                }
+    for (int i = 0; i < PKV_D; ++i) x[i] *= PKV_ROTATION_SCALE;
+#endif
+}
+
+/* The rotated row y = x (in place) as int8 q = round(y / s), s = max |y| / 127; returns s. */
+inline float pkv_quantize(float* x, __global char* q) {
+#pragma OPENCL FP_CONTRACT OFF
+    pkv_rotate(x);
+    float amax = 0.0f;
+    for (int i = 0; i < PKV_D; ++i) {
+        const float a = fabs(x[i]);
+        amax = a > amax ? a : amax;
+    }
+    const float s = amax / 127.0f;
+    for (int i = 0; i < PKV_D; ++i) {
+        float v = s > 0.0f ? x[i] / s : 0.0f;
+        v = v != v ? 0.0f : (v < -127.0f ? -127.0f : (v > 127.0f ? 127.0f : v));
+        q[i] = (char)rint(v);
+    }
+    return s;
+}
 
 /* Element offset of row `offset` (token within page) of `head` in `page`. */
 inline ulong pkv_row(int page, int head, int offset, int num_kv_heads, int page_size) {

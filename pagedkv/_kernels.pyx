@@ -1,15 +1,19 @@
 """Host kernels over typed memoryviews: scatter, gather and paged attention.
 
-Pools are ``[num_pages, num_kv_heads, page_size, head_dim]`` arrays of float32,
-or of float16 passed as their uint16 bits (``pkv_half.h`` converts).  All
-arithmetic is float32.  Callers (``pagedkv.backends.host``) validate every
-shape and index; these loops trust them and run without the GIL.
+Pools are ``[num_pages, num_kv_heads, page_size, head_dim]`` arrays in one
+of the storage formats of ``pagedkv/storage.py``: float32, float16 passed as
+its uint16 bits (``pkv_half.h`` converts), or int8 with a float32 scale per
+row in ``[num_pages, num_kv_heads, page_size]`` scale pools and rows rotated
+by blocks of ``rotation_block`` (``pkv_quant.h``; 0: none).  Float formats
+take 1x1x1 placeholder scale pools.  All arithmetic is float32.  Callers
+(``pagedkv.backends.host``) validate every shape and index; these loops
+trust them and run without the GIL.
 """
 import numpy as np
 cimport numpy as cnp
 from cython.parallel cimport prange, threadid
 from libc.math cimport expf, INFINITY
-from libc.stdint cimport int32_t, int64_t, uint16_t
+from libc.stdint cimport int8_t, int32_t, int64_t, uint16_t
 
 cnp.import_array()
 
@@ -30,9 +34,18 @@ cdef extern from "pkv_simd.h" nogil:
                              const float* x, int nt, int n, pkv_prefetch* pf)
     void pkv_accumulate4_f16(float* acc, const float* alpha, const float* p, int ld,
                              const uint16_t* x, int nt, int n, pkv_prefetch* pf)
+    void pkv_scores_i8(const float* q, int nq, const int8_t* k, int nt, int n,
+                       float* scores, int ld, pkv_prefetch* pf)
+    void pkv_accumulate4_i8(float* acc, const float* alpha, const float* p, int ld,
+                            const int8_t* x, int nt, int n, pkv_prefetch* pf)
     void pkv_softmax_page(float* s, int ld, int nq, int nq_padded, int nt, int64_t first_lo,
                           int64_t first_hi, int group, float soft_cap, float* run_max,
                           float* run_sum, float* alpha)
+
+cdef extern from "pkv_quant.h" nogil:
+    void pkv_rotate(float* x, int n, int block, float scale)
+    float pkv_quantize(const float* x, int n, int block, float scale, int8_t* q, float* tmp)
+    void pkv_dequantize(const int8_t* q, float s, int n, int block, float scale, float* out)
 
 cdef extern from "pkv_work_item.h" nogil:
     enum:
@@ -42,21 +55,27 @@ cdef extern from "pkv_work_item.h" nogil:
 ctypedef fused storage_t:
     float
     uint16_t
+    int8_t
 
 
 cdef inline float load(storage_t x) noexcept nogil:
+    """A float format's element as float (int8 rows go through pkv_dequantize)."""
     if storage_t is float:
         return x
-    else:
+    elif storage_t is uint16_t:
         return pkv_half_to_float(x)
+    else:
+        return x
 
 
 cdef inline void page_scores(const float* q, int nq, const storage_t* k, int nt, int n,
                              float* out, int ld, pkv_prefetch* pf) noexcept nogil:
     if storage_t is float:
         pkv_scores_f32(q, nq, k, nt, n, out, ld, pf)
-    else:
+    elif storage_t is uint16_t:
         pkv_scores_f16(q, nq, k, nt, n, out, ld, pf)
+    else:
+        pkv_scores_i8(q, nq, k, nt, n, out, ld, pf)
 
 
 cdef inline void page_accumulate4(float* acc, const float* alpha, const float* p, int ld,
@@ -64,26 +83,37 @@ cdef inline void page_accumulate4(float* acc, const float* alpha, const float* p
                                   pkv_prefetch* pf) noexcept nogil:
     if storage_t is float:
         pkv_accumulate4_f32(acc, alpha, p, ld, x, nt, n, pf)
-    else:
+    elif storage_t is uint16_t:
         pkv_accumulate4_f16(acc, alpha, p, ld, x, nt, n, pf)
+    else:
+        pkv_accumulate4_i8(acc, alpha, p, ld, x, nt, n, pf)
 
 
 cdef inline storage_t convert(float x, storage_t* dummy) noexcept nogil:
+    """float -> a float format's element (int8 rows go through pkv_quantize)."""
     if storage_t is float:
         return x
-    else:
+    elif storage_t is uint16_t:
         return pkv_float_to_half(x)
+    else:
+        return 0
 
 
 # -- scatter / gather ---------------------------------------------------------------
 
 def scatter(storage_t[:, :, :, ::1] k_pool, storage_t[:, :, :, ::1] v_pool,
-            const int64_t[::1] slot_mapping,
-            const float[:, :, ::1] k, const float[:, :, ::1] v, int num_threads):
-    """Write token ``t`` of ``k``/``v`` ([T, H, D] float32) at ``slot_mapping[t]``; -1 skips."""
+            float[:, :, ::1] k_scales, float[:, :, ::1] v_scales,
+            const int64_t[::1] slot_mapping, const float[:, :, ::1] k, const float[:, :, ::1] v,
+            int rotation_block, float rotation_scale, int num_threads):
+    """Write token ``t`` of ``k``/``v`` ([T, H, D] float32) at ``slot_mapping[t]``; -1 skips.
+
+    int8: each row is rotated and quantized, its scale written to ``k_scales``
+    / ``v_scales``."""
     cdef Py_ssize_t t, h, d, H = k.shape[1], D = k.shape[2]
     cdef int64_t slot, page, offset, ps = k_pool.shape[2]
     cdef storage_t* dummy = NULL
+    tmp_buf = np.empty((num_threads, D), dtype=np.float32)
+    cdef float[:, ::1] tmp = tmp_buf
     for t in prange(slot_mapping.shape[0], nogil=True, schedule="static",
                     num_threads=num_threads):
         slot = slot_mapping[t]
@@ -92,22 +122,36 @@ def scatter(storage_t[:, :, :, ::1] k_pool, storage_t[:, :, :, ::1] v_pool,
         page = slot // ps
         offset = slot % ps
         for h in range(H):
-            for d in range(D):
-                k_pool[page, h, offset, d] = convert(k[t, h, d], dummy)
-                v_pool[page, h, offset, d] = convert(v[t, h, d], dummy)
+            if storage_t is int8_t:
+                k_scales[page, h, offset] = pkv_quantize(
+                    &k[t, h, 0], D, rotation_block, rotation_scale, &k_pool[page, h, offset, 0],
+                    &tmp[threadid(), 0])
+                v_scales[page, h, offset] = pkv_quantize(
+                    &v[t, h, 0], D, rotation_block, rotation_scale, &v_pool[page, h, offset, 0],
+                    &tmp[threadid(), 0])
+            else:
+                for d in range(D):
+                    k_pool[page, h, offset, d] = convert(k[t, h, d], dummy)
+                    v_pool[page, h, offset, d] = convert(v[t, h, d], dummy)
 
 
-def gather(storage_t[:, :, :, ::1] pool, const int64_t[::1] slots, float[:, :, ::1] out,
-           int num_threads):
-    """``out[i]`` ([n, H, D] float32) = the token at ``slots[i]`` of ``pool``."""
+def gather(storage_t[:, :, :, ::1] pool, const float[:, :, ::1] scales,
+           const int64_t[::1] slots, float[:, :, ::1] out, int rotation_block,
+           float rotation_scale, int num_threads):
+    """``out[i]`` ([n, H, D] float32) = the token at ``slots[i]`` of ``pool`` (int8:
+    dequantized and rotated back)."""
     cdef Py_ssize_t i, h, d, H = out.shape[1], D = out.shape[2]
     cdef int64_t page, offset, ps = pool.shape[2]
     for i in prange(slots.shape[0], nogil=True, schedule="static", num_threads=num_threads):
         page = slots[i] // ps
         offset = slots[i] % ps
         for h in range(H):
-            for d in range(D):
-                out[i, h, d] = load(pool[page, h, offset, d])
+            if storage_t is int8_t:
+                pkv_dequantize(&pool[page, h, offset, 0], scales[page, h, offset], D,
+                               rotation_block, rotation_scale, &out[i, h, 0])
+            else:
+                for d in range(D):
+                    out[i, h, d] = load(pool[page, h, offset, d])
 
 
 # -- paged attention ----------------------------------------------------------------
@@ -131,8 +175,10 @@ cdef inline int padded_queries(int nq) noexcept nogil:
 
 cdef void attend_item(const float[:, :, ::1] q,
                       storage_t[:, :, :, ::1] k_pool, storage_t[:, :, :, ::1] v_pool,
+                      const float[:, :, ::1] k_scales, const float[:, :, ::1] v_scales,
                       const int32_t[::1] page_indptr, const int32_t[::1] page_indices,
                       const int32_t* item, int heads_per_item, float scale, float soft_cap,
+                      int rotation_block, float rotation_scale,
                       float* acc, float* run_max, float* run_sum, float* scratch) noexcept nogil:
     """One work item over KV heads ``h0 : h0 + heads_per_item``.
 
@@ -141,6 +187,8 @@ cdef void attend_item(const float[:, :, ::1] q,
     queries per head are padded to nq4, a multiple of 4, with zero queries:
     the vector primitives then always work on four queries at once.
     ``scratch`` holds heads_per_item*nq4*D + nq4*(page_size + 1) floats.
+    int8: the queries are rotated like the stored rows (so q.k is unchanged),
+    the logits take each key's scale and the weights each value's scale.
     """
     cdef int b = item[PKV_W_SEQ], h0 = item[PKV_W_KV_HEAD]
     cdef int row0 = item[PKV_W_ROW0], row1 = item[PKV_W_ROW1]
@@ -150,7 +198,8 @@ cdef void attend_item(const float[:, :, ::1] q,
     cdef int group = q.shape[1] // k_pool.shape[1]
     cdef int nq = (row1 - row0) * group
     cdef int nq4 = padded_queries(nq)
-    cdef int qi, x, hh, d, j, t0, t1, nt, page, next_page
+    cdef int qi, x, hh, d, j, t, t0, t1, nt, page, next_page
+    cdef const float* row_scales
     cdef int64_t first_key
     cdef int last_page = (key1 + ps - 1) // ps
     cdef float* queries = scratch                            # [heads, nq4, D], pre-scaled
@@ -174,6 +223,8 @@ cdef void attend_item(const float[:, :, ::1] q,
             qv = &q[row0 + qi // group, (h0 + x // nq4) * group + qi % group, 0]
             for d in range(D):
                 queries[x * D + d] = qv[d] * scale
+            if storage_t is int8_t:
+                pkv_rotate(queries + x * D, D, rotation_block, rotation_scale)
 
     for j in range(key0 // ps, last_page):
         page = page_indices[page_indptr[b] + j]
@@ -194,10 +245,20 @@ cdef void attend_item(const float[:, :, ::1] q,
                 next_values = pkv_prefetch_range(NULL, 0)
             page_scores(queries + hh * nq4 * D, nq4, &k_pool[page, h0 + hh, t0, 0], nt, D,
                         scores, ps, &next_keys)
+            if storage_t is int8_t:
+                row_scales = &k_scales[page, h0 + hh, t0]
+                for qi in range(nq4):
+                    for t in range(nt):
+                        scores[qi * ps + t] = scores[qi * ps + t] * row_scales[t]
             # online softmax: logits become weights, zero outside each row's
             # band, and alphas rescale the accumulators
             pkv_softmax_page(scores, ps, nq, nq4, nt, band_lo - first_key, band_hi - first_key,
                              group, soft_cap, head_max, head_sum, alphas)
+            if storage_t is int8_t:
+                row_scales = &v_scales[page, h0 + hh, t0]
+                for qi in range(nq4):
+                    for t in range(nt):
+                        scores[qi * ps + t] = scores[qi * ps + t] * row_scales[t]
             for qi in range(0, nq4, 4):
                 page_accumulate4(head_acc + qi * D, alphas + qi, scores + qi * ps, ps,
                                  &v_pool[page, h0 + hh, t0, 0], nt, D, &next_values)
@@ -208,16 +269,19 @@ cdef void attend_item(const float[:, :, ::1] q,
 
 def paged_attention(const float[:, :, ::1] q,
                     storage_t[:, :, :, ::1] k_pool, storage_t[:, :, :, ::1] v_pool,
+                    const float[:, :, ::1] k_scales, const float[:, :, ::1] v_scales,
                     const int32_t[::1] page_indptr, const int32_t[::1] page_indices,
                     const int32_t[:, ::1] items, const int32_t[::1] item_offsets,
                     int heads_per_item, int max_rows_per_item, float scale, float soft_cap,
-                    const float[::1] sinks, float[:, :, ::1] out, int num_threads):
+                    const float[::1] sinks, int rotation_block, float rotation_scale,
+                    float[:, :, ::1] out, int num_threads):
     """Paged attention of a ragged batch over planned work items; see ``pagedkv.backends.host``.
 
     Parameters
     ----------
     q : float32 [T, num_heads, D]
-    k_pool, v_pool : [num_pages, num_kv_heads, page_size, D], float32 or float16 bits
+    k_pool, v_pool : [num_pages, num_kv_heads, page_size, D], float32, float16 bits or int8
+    k_scales, v_scales : float32 [num_pages, num_kv_heads, page_size] (int8), else placeholders
     page_indptr : int32 [B + 1]
     page_indices : int32 [nnz]
         CSR page table of the step's sequences.
@@ -233,6 +297,11 @@ def paged_attention(const float[:, :, ::1] q,
     soft_cap : float
         ``c`` of ``c * tanh(x / c)``; 0 for none.
     sinks : float32 [num_heads] or None
+    rotation_block : int
+        int8: the Hadamard block the rows are rotated by (0: none); the
+        queries are rotated the same way and the output back.
+    rotation_scale : float
+        ``1 / sqrt(rotation_block)``.
     out : float32 [T, num_heads, D]
     num_threads : int
         OpenMP threads (ignored in a build without OpenMP).
@@ -255,23 +324,27 @@ def paged_attention(const float[:, :, ::1] q,
         return
     with nogil:
         for w in prange(W, schedule="dynamic", num_threads=num_threads):
-            attend_item(q, k_pool, v_pool, page_indptr, page_indices, &items[w, 0],
-                        heads_per_item, scale, soft_cap, &acc[w, 0, 0], &run_max[w, 0],
-                        &run_sum[w, 0], &scratch[threadid(), 0])
+            attend_item(q, k_pool, v_pool, k_scales, v_scales, page_indptr, page_indices,
+                        &items[w, 0], heads_per_item, scale, soft_cap, rotation_block,
+                        rotation_scale, &acc[w, 0, 0], &run_max[w, 0], &run_sum[w, 0],
+                        &scratch[threadid(), 0])
         for m in prange(M, schedule="static", num_threads=num_threads):
             merge_partials(&items[0, 0], item_offsets[m], item_offsets[m + 1], group,
-                           heads_per_item, sink_ptr, acc, run_max, run_sum, out)
+                           heads_per_item, sink_ptr, rotation_block, rotation_scale, acc,
+                           run_max, run_sum, out)
 
 
 cdef void merge_partials(const int32_t* items, int first, int last, int group,
-                         int heads_per_item, const float* sinks, float[:, :, ::1] acc,
+                         int heads_per_item, const float* sinks, int rotation_block,
+                         float rotation_scale, float[:, :, ::1] acc,
                          float[:, ::1] run_max, float[:, ::1] run_sum,
                          float[:, :, ::1] out) noexcept nogil:
     """Combine items ``first:last`` (one query block, key ranges split) into ``out``.
 
     With ``sinks`` (float32 [num_heads], else NULL), head ``h``'s denominator
     gains ``exp(sinks[h])``; everything is rescaled to the larger of the
-    logits' max and the sink, so that no exponent is positive.
+    logits' max and the sink, so that no exponent is positive.  With a
+    ``rotation_block`` (int8 rows), the output is rotated back.
     """
     cdef const int32_t* item = items + first * PKV_W_FIELDS
     cdef int h0 = item[PKV_W_KV_HEAD], row0 = item[PKV_W_ROW0], row1 = item[PKV_W_ROW1]
@@ -301,3 +374,4 @@ cdef void merge_partials(const int32_t* items, int first, int last, int group,
                 dst[d] = dst[d] + acc[w, x, d] * weight
         for d in range(D):
             dst[d] = dst[d] / total
+        pkv_rotate(dst, D, rotation_block, rotation_scale)

@@ -21,6 +21,7 @@
 #define PKV_SIMD_H
 #include <stdint.h>
 #include "pkv_half.h"
+#include "pkv_storage.h"
 #if defined(__F16C__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -74,8 +75,11 @@ static inline void pkv_prefetch_rest(pkv_prefetch *pf) {
 
 /* -- loading float32 or float16 rows ------------------------------------------ */
 
-PKV_INLINE float pkv_load1(const void *x, long i, int half) {
-    return half ? pkv_half_to_float(((const uint16_t *)x)[i]) : ((const float *)x)[i];
+/* Element i of a row of storage `kind` (pkv_storage.h; int8: unscaled). */
+PKV_INLINE float pkv_load1(const void *x, long i, int kind) {
+    if (kind == PKV_STORAGE_INT8) return (float)((const int8_t *)x)[i];
+    return kind == PKV_STORAGE_FLOAT16 ? pkv_half_to_float(((const uint16_t *)x)[i])
+                                       : ((const float *)x)[i];
 }
 
 #if PKV_VECTOR
@@ -88,8 +92,12 @@ PKV_INLINE float pkv_load1(const void *x, long i, int half) {
 #endif
 typedef float pkv_vec __attribute__((vector_size(PKV_LANES * 4), aligned(4)));
 
-PKV_INLINE pkv_vec pkv_load(const void *x, long i, int half) {
-    if (!half) return *(const pkv_vec *)((const float *)x + i);
+typedef int8_t pkv_bvec __attribute__((vector_size(PKV_LANES), aligned(1)));
+
+PKV_INLINE pkv_vec pkv_load(const void *x, long i, int kind) {
+    if (kind == PKV_STORAGE_FLOAT32) return *(const pkv_vec *)((const float *)x + i);
+    if (kind == PKV_STORAGE_INT8)
+        return __builtin_convertvector(*(const pkv_bvec *)((const int8_t *)x + i), pkv_vec);
     const uint16_t *h = (const uint16_t *)x + i;
 #if PKV_LANES == 16
     return (pkv_vec)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)h));
@@ -171,13 +179,13 @@ PKV_INLINE pkv_vec pkv_transpose_sum(const pkv_vec *c) {
 
 /* scores[qi * ld + t] = dot(q[qi], k[t]) for qi < nq and t < nt.
  *
- * q: [nq, n] float32, nq a multiple of 4; k: [nt, n] rows, float32 or (half)
+ * q: [nq, n] float32, nq a multiple of 4; k: [nt, n] rows of storage `kind`
  * float16 bits.  Tiles of 4 queries x PKV_KEYS keys keep their PKV_LANES
  * partial sums in registers, so each load of q or k feeds PKV_KEYS or 4
  * multiply-adds; one transposing sum then finishes the whole tile.  Columns
  * past the last full vector, and keys past the last full tile, take the
  * plain paths. */
-PKV_INLINE void pkv_scores_any(const float *restrict q, int nq, const void *restrict k, int half,
+PKV_INLINE void pkv_scores_any(const float *restrict q, int nq, const void *restrict k, int kind,
                                int nt, int n, float *restrict scores, int ld, pkv_prefetch *pf_io) {
     pkv_prefetch cursor = *pf_io, *pf = &cursor;  /* a local the compiler keeps in registers */
 #if PKV_VECTOR
@@ -192,7 +200,7 @@ PKV_INLINE void pkv_scores_any(const float *restrict q, int nq, const void *rest
             for (int i = 0; i < nv; i += PKV_LANES) {
                 pkv_vec x[PKV_KEYS];
                 for (int kk = 0; kk < PKV_KEYS; kk++) {
-                    x[kk] = pkv_load(k, (long)(t + kk) * n + i, half);
+                    x[kk] = pkv_load(k, (long)(t + kk) * n + i, kind);
                     PKV_IN_REGISTER(x[kk]);
                 }
                 for (int qq = 0; qq < 4; qq++) {
@@ -207,7 +215,7 @@ PKV_INLINE void pkv_scores_any(const float *restrict q, int nq, const void *rest
             for (int a = 0; a < PKV_LANES; a++) {
                 const int qq = a / PKV_KEYS, kk = a % PKV_KEYS;
                 float s = sums[a];
-                for (int i = nv; i < n; i++) s += qr[qq][i] * pkv_load1(k, (long)(t + kk) * n + i, half);
+                for (int i = nv; i < n; i++) s += qr[qq][i] * pkv_load1(k, (long)(t + kk) * n + i, kind);
                 scores[(qi + qq) * ld + t + kk] = s;
             }
         }
@@ -215,12 +223,12 @@ PKV_INLINE void pkv_scores_any(const float *restrict q, int nq, const void *rest
         for (; t < nt; t++) {
             pkv_vec c[4] = {{0}};
             for (int i = 0; i < nv; i += PKV_LANES) {
-                const pkv_vec x = pkv_load(k, (long)t * n + i, half);
+                const pkv_vec x = pkv_load(k, (long)t * n + i, kind);
                 for (int qq = 0; qq < 4; qq++) c[qq] += pkv_load(qr[qq], i, 0) * x;
             }
             for (int qq = 0; qq < 4; qq++) {
                 float s = pkv_hsum(c[qq]);
-                for (int i = nv; i < n; i++) s += qr[qq][i] * pkv_load1(k, (long)t * n + i, half);
+                for (int i = nv; i < n; i++) s += qr[qq][i] * pkv_load1(k, (long)t * n + i, kind);
                 scores[(qi + qq) * ld + t] = s;
             }
         }
@@ -230,7 +238,7 @@ PKV_INLINE void pkv_scores_any(const float *restrict q, int nq, const void *rest
     for (int qi = 0; qi < nq; qi++)
         for (int t = 0; t < nt; t++) {
             float s = 0.0f;
-            for (int i = 0; i < n; i++) s += q[qi * n + i] * pkv_load1(k, (long)t * n + i, half);
+            for (int i = 0; i < n; i++) s += q[qi * n + i] * pkv_load1(k, (long)t * n + i, kind);
             scores[qi * ld + t] = s;
         }
 #endif
@@ -250,7 +258,7 @@ PKV_INLINE void pkv_scores_any(const float *restrict q, int nq, const void *rest
  * at each call, so that the accumulators are registers). */
 PKV_INLINE void pkv_accumulate_block(float *restrict acc, const float *restrict alpha,
                                      const float *restrict p, int ld, const void *restrict x,
-                                     int half, int nt, int n, int i0, int width,
+                                     int kind, int nt, int n, int i0, int width,
                                      pkv_prefetch *pf) {
     pkv_vec a[4][PKV_BLOCK_VECS];
     for (int qq = 0; qq < 4; qq++)
@@ -259,7 +267,7 @@ PKV_INLINE void pkv_accumulate_block(float *restrict acc, const float *restrict 
     for (int t = 0; t < nt; t++) {
         pkv_vec xv[PKV_BLOCK_VECS];
         for (int c = 0; c < width; c++) {
-            xv[c] = pkv_load(x, (long)t * n + i0 + c * PKV_LANES, half);
+            xv[c] = pkv_load(x, (long)t * n + i0 + c * PKV_LANES, kind);
             PKV_IN_REGISTER(xv[c]);
         }
         for (int qq = 0; qq < 4; qq++) {
@@ -277,33 +285,33 @@ PKV_INLINE void pkv_accumulate_block(float *restrict acc, const float *restrict 
 /* For query qq < 4: acc[qq * n : +n] = alpha[qq] * acc[qq * n : +n]
  *                                      + sum over t < nt of p[qq * ld + t] * x[t].
  *
- * x: [nt, n] rows, float32 or (half) float16 bits.  Each column block of the
+ * x: [nt, n] rows of storage `kind`.  Each column block of the
  * four accumulators stays in registers across all nt rows, and each load of
  * x feeds four multiply-adds. */
 PKV_INLINE void pkv_accumulate4_any(float *restrict acc, const float *restrict alpha,
                                     const float *restrict p, int ld, const void *restrict x,
-                                    int half, int nt, int n, pkv_prefetch *pf_io) {
+                                    int kind, int nt, int n, pkv_prefetch *pf_io) {
     pkv_prefetch cursor = *pf_io, *pf = &cursor;  /* a local the compiler keeps in registers */
     int i0 = 0;
 #if PKV_VECTOR
     for (; i0 + PKV_BLOCK_VECS * PKV_LANES <= n; i0 += PKV_BLOCK_VECS * PKV_LANES)
-        pkv_accumulate_block(acc, alpha, p, ld, x, half, nt, n, i0, PKV_BLOCK_VECS, pf);
+        pkv_accumulate_block(acc, alpha, p, ld, x, kind, nt, n, i0, PKV_BLOCK_VECS, pf);
     for (; i0 + PKV_LANES <= n; i0 += PKV_LANES)
-        pkv_accumulate_block(acc, alpha, p, ld, x, half, nt, n, i0, 1, pf);
+        pkv_accumulate_block(acc, alpha, p, ld, x, kind, nt, n, i0, 1, pf);
 #else
     (void)pf;
 #endif
     for (int qq = 0; qq < 4; qq++)
         for (int i = i0; i < n; i++) {
             float a = acc[qq * n + i] * alpha[qq];
-            for (int t = 0; t < nt; t++) a += p[qq * ld + t] * pkv_load1(x, (long)t * n + i, half);
+            for (int t = 0; t < nt; t++) a += p[qq * ld + t] * pkv_load1(x, (long)t * n + i, kind);
             acc[qq * n + i] = a;
         }
     *pf_io = cursor;
 }
 
 /* The entry points for Cython, one per storage type.  Each instantiates the
- * always-inline kernel with a constant `half`, and with a constant row length
+ * always-inline kernel with a constant `kind`, and with a constant row length
  * for the head sizes of common models: the compiler then unrolls the column
  * loop and addresses rows at fixed offsets, which frees the registers that a
  * run-time stride ties up (float16 decode gained most; see CHANGELOG.md).
@@ -319,30 +327,26 @@ PKV_INLINE void pkv_accumulate4_any(float *restrict acc, const float *restrict a
     default: call(n);                                                 \
     }
 
-PKV_NOINLINE void pkv_scores_f32(const float *q, int nq, const float *k, int nt, int n,
-                                  float *scores, int ld, pkv_prefetch *pf) {
-#define PKV_CALL(N) pkv_scores_any(q, nq, k, 0, nt, N, scores, ld, pf)
-    PKV_WITH_HEAD_DIM(PKV_CALL)
-#undef PKV_CALL
-}
-PKV_NOINLINE void pkv_scores_f16(const float *q, int nq, const uint16_t *k, int nt, int n,
-                                  float *scores, int ld, pkv_prefetch *pf) {
-#define PKV_CALL(N) pkv_scores_any(q, nq, k, 1, nt, N, scores, ld, pf)
-    PKV_WITH_HEAD_DIM(PKV_CALL)
-#undef PKV_CALL
-}
-PKV_NOINLINE void pkv_accumulate4_f32(float *acc, const float *alpha, const float *p, int ld,
-                                       const float *x, int nt, int n, pkv_prefetch *pf) {
-#define PKV_CALL(N) pkv_accumulate4_any(acc, alpha, p, ld, x, 0, nt, N, pf)
-    PKV_WITH_HEAD_DIM(PKV_CALL)
-#undef PKV_CALL
-}
-PKV_NOINLINE void pkv_accumulate4_f16(float *acc, const float *alpha, const float *p, int ld,
-                                       const uint16_t *x, int nt, int n, pkv_prefetch *pf) {
-#define PKV_CALL(N) pkv_accumulate4_any(acc, alpha, p, ld, x, 1, nt, N, pf)
-    PKV_WITH_HEAD_DIM(PKV_CALL)
-#undef PKV_CALL
-}
+/* One pair of entry points per storage format: pkv_scores_<suffix> and
+ * pkv_accumulate4_<suffix>, over rows of element type T. */
+#define PKV_SCORES_CALL(N) pkv_scores_any(q, nq, k, kind, nt, N, scores, ld, pf)
+#define PKV_ACCUMULATE_CALL(N) pkv_accumulate4_any(acc, alpha, p, ld, x, kind, nt, N, pf)
+#define PKV_DEFINE_ENTRY_POINTS(suffix, T, storage)                                        \
+    PKV_NOINLINE void pkv_scores_##suffix(const float *q, int nq, const T *k, int nt, int n, \
+                                          float *scores, int ld, pkv_prefetch *pf) {        \
+        const int kind = storage;                                                         \
+        PKV_WITH_HEAD_DIM(PKV_SCORES_CALL)                                                  \
+    }                                                                                     \
+    PKV_NOINLINE void pkv_accumulate4_##suffix(float *acc, const float *alpha, const float *p, \
+                                               int ld, const T *x, int nt, int n,          \
+                                               pkv_prefetch *pf) {                         \
+        const int kind = storage;                                                         \
+        PKV_WITH_HEAD_DIM(PKV_ACCUMULATE_CALL)                                              \
+    }
+
+PKV_DEFINE_ENTRY_POINTS(f32, float, PKV_STORAGE_FLOAT32)
+PKV_DEFINE_ENTRY_POINTS(f16, uint16_t, PKV_STORAGE_FLOAT16)
+PKV_DEFINE_ENTRY_POINTS(i8, int8_t, PKV_STORAGE_INT8)
 
 /* e**x for x <= 0.
  *

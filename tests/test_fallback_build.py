@@ -44,9 +44,10 @@ def fallback_kernels(tmp_path_factory):
     build = tmp_path_factory.mktemp("fallback")
     sources = files("pagedkv")
     shutil.copy(sources / "_kernels.pyx", build / "fallback_kernels.pyx")
-    for header in ("pkv_half.h", "pkv_simd.h"):
+    for header in ("pkv_half.h", "pkv_simd.h", "pkv_quant.h"):
         shutil.copy(sources / header, build / header)
-    shutil.copy(files("pagedkv.opencl") / "pkv_work_item.h", build / "pkv_work_item.h")
+    for header in ("pkv_work_item.h", "pkv_storage.h"):
+        shutil.copy(files("pagedkv.opencl") / header, build / header)
     (build / "setup.py").write_text(SETUP)
     result = subprocess.run([sys.executable, "setup.py"], cwd=build, capture_output=True,
                             text=True, env={**os.environ, "CFLAGS": ""})

@@ -69,8 +69,13 @@ class KernelLayout:
                    "key_tile", "chunk", "max_queries", "stage_k", "stage_v",
                    "merge_work_group_size", "max_work_item_iterations")
 
-    def __init__(self, device, head_dim, **overrides):
+    def __init__(self, device, head_dim, storage=None, **overrides):
         import pyopencl as cl
+        from pagedkv.storage import storage_format
+        self.storage = storage_format("float32", head_dim) if storage is None else storage
+        # rounding the int8 quotients exactly as the host does needs IEEE division
+        self.exact_division = bool(getattr(device, "single_fp_config", 0) & getattr(
+            cl.device_fp_config, "CORRECTLY_ROUNDED_DIVIDE_SQRT", 0))
         # The GPU shape whenever the device says GPU, even if it says CPU as well
         # (Oclgrind says both): it is the one whose work spreads over work-items.
         kind = "gpu" if device.type & cl.device_type.GPU or \
@@ -97,6 +102,9 @@ class KernelLayout:
                                self.query_tile)
         self.stage_k = overrides.get("stage_k", True)
         self.stage_v = overrides.get("stage_v", True)
+        if self.storage.scaled and not (self.stage_k and self.stage_v):
+            raise ValueError(f"backend_options: layout: {self.storage.name} rows are "
+                             f"dequantized into the staged tiles; stage_k and stage_v must stay on")
         # the merge spreads a query block's vectors over work-items, even on a CPU,
         # so that its loop over parts may be long
         self.merge_work_group_size = _floor_pow2(min(
@@ -125,7 +133,7 @@ class KernelLayout:
                 self.chunk //= 2
             elif self.max_queries > self.query_tile:
                 self.max_queries //= 2
-            elif staging:
+            elif staging and not self.storage.scaled:
                 self.stage_k = self.stage_v = False
                 self.chunk = chunk
             else:
@@ -210,9 +218,9 @@ class KernelLayout:
         """Keys the softmax step handles at once (float8 when the chunk allows)."""
         return 8 if self.chunk % 8 == 0 else 1
 
-    def options(self, dtype):
+    def options(self):
         """Build options of ``opencl/attention.cl``."""
-        return self.storage_options(dtype) + (
+        return self.storage_options() + (
             f"-DPKV_WG={self.work_group_size}", f"-DPKV_NQ={self.max_queries}",
             f"-DPKV_CHUNK={self.chunk}", f"-DPKV_QB={self.query_tile}",
             f"-DPKV_TB={self.key_tile}", f"-DPKV_CB={self.column_tile}",
@@ -225,10 +233,12 @@ class KernelLayout:
             # and computes wrong rows); the results must not depend on it.
             "-cl-mad-enable")
 
-    def storage_options(self, dtype):
+    def storage_options(self):
         """Build options of ``opencl/pkv_common.h`` (all that ``kv_pages.cl`` needs)."""
-        return (f"-DPKV_HALF={int(np.dtype(dtype) == np.float16)}",
-                f"-DPKV_HEAD_DIM={self.head_dim}", f"-DPKV_VW={self.vector_width}")
+        exact = ("-cl-fp32-correctly-rounded-divide-sqrt",) \
+            if self.storage.scaled and self.exact_division else ()
+        return self.storage.opencl_options() + exact + (
+            f"-DPKV_HEAD_DIM={self.head_dim}", f"-DPKV_VW={self.vector_width}")
 
     def __repr__(self):
         return "KernelLayout(" + ", ".join(f"{k}={v}" for k, v in vars(self).items()) + ")"

@@ -114,7 +114,7 @@ def build_program(context, name, options, source=None):
     Returns
     -------
     dict
-        ``{kernel name: KernelCall}`` for every kernel of the program.
+        ``{kernel name: KernelCall}`` for every kernel the program was built with.
 
     Raises
     ------
@@ -135,8 +135,11 @@ def build_program(context, name, options, source=None):
                 raise KernelBuildError(
                     f"building opencl/{name} for {devices} with options {' '.join(options)!r} "
                     f"failed:\n{exc}") from None
+            # the kernels this build has (a source may #if some out)
+            built = set(program.get_info(cl.program_info.KERNEL_NAMES).split(";"))
             kernels = {kernel: KernelCall(program, kernel, signature)
-                       for kernel, signature in kernel_signatures(text).items()}
+                       for kernel, signature in kernel_signatures(text).items()
+                       if kernel in built}
             _programs[key] = kernels
     return kernels
 

@@ -75,9 +75,10 @@ class Backend:
         """Whether ``backend="auto"`` should take this backend when it can run."""
         return True
 
-    def __init__(self, *, num_kv_heads, head_dim, layer_pages, page_size, dtype, device=None,
+    def __init__(self, *, num_kv_heads, head_dim, layer_pages, page_size, storage, device=None,
                  options=None):
-        """Pools for ``len(layer_pages)`` layers; layer ``l`` has ``layer_pages[l]`` pages."""
+        """Pools for ``len(layer_pages)`` layers (layer ``l`` has ``layer_pages[l]``
+        pages) in the :class:`pagedkv.storage.StorageFormat` ``storage``."""
         raise NotImplementedError
 
     @property

@@ -27,7 +27,7 @@ _PARALLEL_MIN_WORK = 1 << 18
 @dataclass(frozen=True)
 class _HostPlan:
     """One step's work list for one query-head count and window (see ``StepTables.plan``)."""
-    items: np.ndarray           # [num_items, ITEM.FIELDS] int32
+    items: np.ndarray           # [num_items, ITEM.COUNT] int32
     item_offsets: np.ndarray    # [num_blocks + 1] int32
     heads_per_item: int
     max_rows: int               # most query rows of any item
@@ -76,18 +76,21 @@ class HostBackend(Backend):
     def unavailable_reason(cls):
         return None
 
-    def __init__(self, *, num_kv_heads, head_dim, layer_pages, page_size, dtype, device=None,
+    def __init__(self, *, num_kv_heads, head_dim, layer_pages, page_size, storage, device=None,
                  options=None):
         if device is not None:
             raise ValueError(f"device: the host backend takes no device, got {device!r}")
         if options:
             raise ValueError(f"backend_options: the host backend takes none, got {options!r}")
-        self.dtype = np.dtype(dtype)
-        # float16 pools are handed to the kernels as their uint16 bits
-        self._k = [np.zeros((n, num_kv_heads, page_size, head_dim), self.dtype) for n in layer_pages]
-        self._v = [np.zeros((n, num_kv_heads, page_size, head_dim), self.dtype) for n in layer_pages]
-        self._kernel_view = (lambda a: a.view(np.uint16)) if self.dtype == np.float16 \
-            else (lambda a: a)
+        self.storage = storage
+        # pools hold storage.kernel_element (float16 as its uint16 bits); a scaled
+        # format's row scales sit beside them, per page, in [pages, H, page_size]
+        rows = [(n, num_kv_heads, page_size) for n in layer_pages]
+        self._k = [np.zeros(r + (head_dim,), storage.kernel_element) for r in rows]
+        self._v = [np.zeros(r + (head_dim,), storage.kernel_element) for r in rows]
+        scales = rows if storage.scaled else [(1, 1, 1)] * len(rows)
+        self._k_scales = [np.zeros(r, np.float32) for r in scales]
+        self._v_scales = [np.zeros(r, np.float32) for r in scales]
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.page_size = page_size
@@ -95,7 +98,8 @@ class HostBackend(Backend):
 
     @property
     def memory_bytes(self):
-        return sum(k.nbytes + v.nbytes for k, v in zip(self._k, self._v))
+        pools = self._k + self._v + (self._k_scales + self._v_scales if self.storage.scaled else [])
+        return sum(pool.nbytes for pool in pools)
 
     @staticmethod
     def _host_f32(x):
@@ -106,23 +110,28 @@ class HostBackend(Backend):
 
     def copy_pages(self, src, dst, layers):
         for layer in layers:
-            self._k[layer][dst] = self._k[layer][src]
-            self._v[layer][dst] = self._v[layer][src]
+            pools = (self._k, self._v) + ((self._k_scales, self._v_scales)
+                                          if self.storage.scaled else ())
+            for pool in pools:
+                pool[layer][dst] = pool[layer][src]
 
     def store(self, layer, tables, k, v):
         k, v = self._host_f32(k), self._host_f32(v)
-        _kernels.scatter(self._kernel_view(self._k[layer]), self._kernel_view(self._v[layer]),
-                         tables.slot_mapping, k, v, _fork_safe(_threads_for(k.size, self.num_threads)))
+        _kernels.scatter(self._k[layer], self._v[layer], self._k_scales[layer],
+                         self._v_scales[layer], tables.slot_mapping, k, v,
+                         self.storage.rotation_block, self.storage.rotation_scale,
+                         _fork_safe(_threads_for(k.size, self.num_threads)))
 
     def attention(self, layer, tables, q, spec, out=None):
         q = self._host_f32(q)
         plan = tables.plan(self._plan, q.shape[1], spec.sliding_window)
         out = np.empty_like(q) if out is None else out
         _kernels.paged_attention(
-            q, self._kernel_view(self._k[layer]), self._kernel_view(self._v[layer]),
+            q, self._k[layer], self._v[layer], self._k_scales[layer], self._v_scales[layer],
             tables.page_indptr, tables.page_indices, plan.items, plan.item_offsets,
             plan.heads_per_item, plan.max_rows, spec.scale, spec.logits_soft_cap or 0.0,
-            spec.sinks, out, _fork_safe(plan.num_threads))
+            spec.sinks, self.storage.rotation_block, self.storage.rotation_scale, out,
+            _fork_safe(plan.num_threads))
         return out
 
     def _plan(self, tables, num_heads, sliding_window):
@@ -161,6 +170,7 @@ class HostBackend(Backend):
         k = np.empty(shape, dtype=np.float32)
         v = np.empty(shape, dtype=np.float32)
         threads = _fork_safe(_threads_for(k.size, self.num_threads))
-        _kernels.gather(self._kernel_view(self._k[layer]), slots, k, threads)
-        _kernels.gather(self._kernel_view(self._v[layer]), slots, v, threads)
+        rotation = (self.storage.rotation_block, self.storage.rotation_scale)
+        _kernels.gather(self._k[layer], self._k_scales[layer], slots, k, *rotation, threads)
+        _kernels.gather(self._v[layer], self._v_scales[layer], slots, v, *rotation, threads)
         return k, v

@@ -4,8 +4,9 @@ They ship in the wheel as the package ``pagedkv.opencl`` (the top-level
 ``opencl/`` folder of the source tree); when pagedkv runs from a source
 checkout that was never installed, they are read from ``<repo>/opencl``.
 Besides the OpenCL programs, the host build compiles against
-``pkv_work_item.h``, and the planner reads its field list from there, so the
-work-item layout is written down once for Python, Cython and OpenCL C.
+``pkv_work_item.h`` and ``pkv_storage.h``, and Python reads their lists from
+there, so the work-item layout and the storage formats are written down once
+for Python, Cython and OpenCL C.
 """
 import importlib.resources
 import re
@@ -13,7 +14,6 @@ from pathlib import Path
 from types import SimpleNamespace
 
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([\w.]+)"\s*$', re.MULTILINE)
-_WORK_ITEM = re.compile(r"^#define PKV_WORK_ITEM\(X\) (.*)$", re.MULTILINE)
 
 
 def source_dir():
@@ -53,9 +53,23 @@ def read_source(name, directory=None):
     return expand(name)
 
 
+def header_table(file_name, macro):
+    """The ``X(NAME)`` list of ``#define <macro>(X) ...`` in a kernel header: a
+    namespace ``NAME -> index``, with ``COUNT`` the list's length."""
+    text = source_dir().joinpath(file_name).read_text(encoding="utf-8")
+    line = re.search(rf"^#define {macro}\(X\) (.*)$", text, re.MULTILINE)
+    names = re.findall(r"X\((\w+)\)", line.group(1))
+    return SimpleNamespace(COUNT=len(names), **{n: i for i, n in enumerate(names)})
+
+
 def work_item_fields():
-    """The work-item columns of ``pkv_work_item.h``: a namespace ``NAME -> index``
-    with ``FIELDS``, the column count (e.g. ``W.KEY0``, ``W.FIELDS``)."""
-    text = source_dir().joinpath("pkv_work_item.h").read_text(encoding="utf-8")
-    names = re.findall(r"X\((\w+)\)", _WORK_ITEM.search(text).group(1))
-    return SimpleNamespace(FIELDS=len(names), **{n: i for i, n in enumerate(names)})
+    """The work-item columns of ``pkv_work_item.h``, e.g. ``W.KEY0``; ``W.COUNT`` columns."""
+    return header_table("pkv_work_item.h", "PKV_WORK_ITEM")
+
+
+def storage_kinds():
+    """The storage formats of ``pkv_storage.h`` (``#define PKV_STORAGE_<NAME> <number>``
+    lines), e.g. ``S.INT8``, the number the kernels know the format by."""
+    text = source_dir().joinpath("pkv_storage.h").read_text(encoding="utf-8")
+    kinds = re.findall(r"^#define PKV_STORAGE_(\w+) (\d+)$", text, re.MULTILINE)
+    return SimpleNamespace(COUNT=len(kinds), **{name: int(value) for name, value in kinds})

@@ -53,7 +53,7 @@ class _Plan:
 
     Attributes
     ----------
-    items : pyopencl Array, shape [num_items, ITEM.FIELDS], int32
+    items : pyopencl Array, shape [num_items, ITEM.COUNT], int32
         One work-group each (``opencl/pkv_work_item.h``); ``KV_HEAD`` is the
         head group.
     seg_items, seg_parts : pyopencl Array, shape [num_segments] / [num_segments + 1], int32
@@ -111,7 +111,7 @@ class OpenCLBackend(Backend):
     def suits_auto(cls):
         return has_preferred_device()
 
-    def __init__(self, *, num_kv_heads, head_dim, layer_pages, page_size, dtype, device=None,
+    def __init__(self, *, num_kv_heads, head_dim, layer_pages, page_size, storage, device=None,
                  options=None):
         layout_overrides = self._check_options(options)
         reason = unavailable_reason()
@@ -122,13 +122,13 @@ class OpenCLBackend(Backend):
         self._cl = cl
         self._pid = os.getpid()
         self.context, self.device = select_device(device)
-        self.dtype = np.dtype(dtype)
+        self.storage = storage
         num_layers = len(layer_pages)
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.layer_pages, self.page_size = list(layer_pages), page_size
         self._page_elems = num_kv_heads * page_size * head_dim
         num_pages = max(layer_pages)
-        layer_bytes = num_pages * self._page_elems * self.dtype.itemsize
+        layer_bytes = num_pages * self._page_elems * storage.element.itemsize
         device_name = self.device.name.strip()
         if num_layers > _MAX_LAYERS:
             raise ValueError(f"num_layers: the opencl backend keeps two buffers per layer and "
@@ -149,16 +149,21 @@ class OpenCLBackend(Backend):
         # buffers are safe because every command goes through this in-order queue
         self._pool = cl.tools.MemoryPool(cl.tools.ImmediateAllocator(self.queue))
         self._build_kernels(layout_overrides)
-        self._no_sinks = self._upload(np.zeros(1, np.float32))   # a buffer cannot be empty
+        # buffers cannot be empty: what a kernel gets for sinks or scales it does not use
+        self._placeholder = self._upload(np.zeros(1, np.float32))
         self._last_events = None
         try:
             self._k, self._v = [], []
+            self._k_scales, self._v_scales = [], []
             for pages in layer_pages:
-                nbytes = pages * self._page_elems * self.dtype.itemsize
-                for pools in (self._k, self._v):
-                    buf = cl.Buffer(self.context, cl.mem_flags.READ_WRITE, nbytes)
+                nbytes = pages * self._page_elems * storage.element.itemsize
+                scale_bytes = pages * self._page_elems // head_dim * 4
+                for pools, size in ((self._k, nbytes), (self._v, nbytes)) + (
+                        ((self._k_scales, scale_bytes), (self._v_scales, scale_bytes))
+                        if storage.scaled else ()):
+                    buf = cl.Buffer(self.context, cl.mem_flags.READ_WRITE, size)
                     # zeros, like the host backend: a slot never stored reads back as 0
-                    cl.enqueue_fill_buffer(self.queue, buf, np.zeros(1, np.uint8), 0, nbytes)
+                    cl.enqueue_fill_buffer(self.queue, buf, np.zeros(1, np.uint8), 0, size)
                     pools.append(buf)
             self.queue.finish()
         except cl.MemoryError as exc:
@@ -184,8 +189,8 @@ class OpenCLBackend(Backend):
     def _build_kernels(self, overrides):
         """Build (or fetch from the cache) both programs and keep their kernels."""
         while True:
-            self.layout = KernelLayout(self.device, self.head_dim, **overrides)
-            attention = build_program(self.context, "attention.cl", self.layout.options(self.dtype))
+            self.layout = KernelLayout(self.device, self.head_dim, self.storage, **overrides)
+            attention = build_program(self.context, "attention.cl", self.layout.options())
             self._k_attention = attention["paged_attention"]
             self._k_merge = attention["merge_partials"]
             # a register-hungry kernel may allow fewer work-items than the device does
@@ -197,11 +202,13 @@ class OpenCLBackend(Backend):
             overrides = dict(overrides, work_group_size=_floor_pow2(
                 min(fits, self.layout.work_group_size)), merge_work_group_size=_floor_pow2(
                 min(merge_fits, self.layout.merge_work_group_size)))
-        pages = build_program(self.context, "kv_pages.cl", self.layout.storage_options(self.dtype))
-        self._k_scatter = pages["scatter_kv"]
-        self._k_gather = pages["gather_kv"]
+        pages = build_program(self.context, "kv_pages.cl", self.layout.storage_options())
+        scaled = self.storage.scaled
+        self._k_scatter = pages["scatter_kv_int8" if scaled else "scatter_kv"]
+        self._k_gather = pages["gather_kv_int8" if scaled else "gather_kv"]
         self._k_copy = pages["copy_pages"]
         self._k_half = pages["half_to_float"]
+        self._k_rotate = pages.get("rotate_rows")
         self._copy_wg = _floor_pow2(min(
             _COPY_WORK_GROUP, self.device.max_work_item_sizes[0],
             *(k.work_group_limit(self.device) for k in pages.values())))
@@ -209,7 +216,26 @@ class OpenCLBackend(Backend):
     # -- helpers --------------------------------------------------------------------
     @property
     def memory_bytes(self):
-        return 2 * sum(self.layer_pages) * self._page_elems * self.dtype.itemsize
+        return 2 * sum(self.layer_pages) * self.storage.page_bytes(
+            self.num_kv_heads, self.page_size, self.head_dim)
+
+    def _scales(self, layer):
+        """The layer's scale buffers as kernel arguments (placeholders for float formats)."""
+        if not self.storage.scaled:
+            return dict(k_scales=self._placeholder, v_scales=self._placeholder)
+        return dict(k_scales=self._k_scales[layer], v_scales=self._v_scales[layer])
+
+    @property
+    def _rows_or_vectors(self):
+        """Work-items per stored row of the data-movement kernels: int8 rows are
+        quantized whole by one work-item, float rows one vector per work-item."""
+        return 1 if self.storage.scaled else self.head_dim // self.layout.vector_width
+
+    def _rotate(self, x):
+        """Rotate the rows of float32 device array ``x`` in place (int8 formats);
+        returns the kernel's event."""
+        rows = x.size // self.head_dim
+        return self._launch(self._k_rotate, rows, x=x, n=rows)
 
     def is_native(self, array):
         return _cl_array is not None and isinstance(array, _cl_array.Array)
@@ -234,10 +260,6 @@ class OpenCLBackend(Backend):
         wg = self._copy_wg
         return kernel(self.queue, (-(-num_work_items // wg) * wg,), (wg,), wait_for=wait_for,
                       **args)
-
-    @property
-    def _vectors_per_row(self):
-        return self.head_dim // self.layout.vector_width
 
     def _device_f32(self, x, name):
         """``x`` as a C-contiguous float32 pyopencl Array of this context.
@@ -303,10 +325,17 @@ class OpenCLBackend(Backend):
         if not len(src):
             return
         src_d, dst_d = self._upload(src.astype(np.int32)), self._upload(dst.astype(np.int32))
+        page_bytes = self.storage.element.itemsize * self._page_elems
+        scale_page_bytes = 4 * self._page_elems // self.head_dim
         for layer in layers:
-            self._launch(self._k_copy, len(src) * self._page_elems, k_pool=self._k[layer],
-                         v_pool=self._v[layer], src=src_d, dst=dst_d, num_copies=len(src),
-                         page_elems=self._page_elems, num_pages=self.layer_pages[layer])
+            pools = [(self._k[layer], self._v[layer], self._page_elems)]
+            if self.storage.scaled:   # copy_pages moves bytes in int8 builds: scales too
+                assert page_bytes == self._page_elems
+                pools.append((self._k_scales[layer], self._v_scales[layer], scale_page_bytes))
+            for k_pool, v_pool, elems in pools:
+                self._launch(self._k_copy, len(src) * elems, k_pool=k_pool, v_pool=v_pool,
+                             src=src_d, dst=dst_d, num_copies=len(src), page_elems=elems,
+                             num_pages=self.layer_pages[layer])
 
     def store(self, layer, tables, k, v):
         self._check_process()
@@ -315,12 +344,13 @@ class OpenCLBackend(Backend):
             return
         kd, k_wait = self._device_f32(k, "k")
         vd, v_wait = self._device_f32(v, "v")
+        scales = self._scales(layer) if self.storage.scaled else {}
         event = self._launch(
-            self._k_scatter, num_tokens * self.num_kv_heads * self._vectors_per_row,
+            self._k_scatter, num_tokens * self.num_kv_heads * self._rows_or_vectors,
             wait_for=k_wait + v_wait, k=kd, v=vd, slot_mapping=tables.device["slot_mapping"],
             k_pool=self._k[layer], v_pool=self._v[layer], num_tokens=num_tokens,
             num_kv_heads=self.num_kv_heads, page_size=self.page_size,
-            num_slots=self.layer_pages[layer] * self.page_size)
+            num_slots=self.layer_pages[layer] * self.page_size, **scales)
         self._hand_back(k, v, event=event)
 
     def _hand_back(self, *arrays, event):
@@ -354,18 +384,23 @@ class OpenCLBackend(Backend):
             result[...] = 0.0
             return result
         qd, q_wait = self._device_f32(q, "q")
+        if self.storage.rotation_block:   # rotated like the stored rows (a private copy)
+            if qd is q:
+                qd = qd.copy(queue=self.queue)
+            self._rotate(qd)
         t = tables.device
         out = self._empty(q.shape)
         parts = max(plan.num_parts, 1)   # an OpenCL buffer cannot be empty
         nq = self.layout.max_queries
         part_acc = self._empty((parts, nq, self.head_dim))
         part_max, part_sum = self._empty((parts, nq)), self._empty((parts, nq))
-        sinks = self._no_sinks if spec.sinks is None else self._upload(spec.sinks)
+        sinks = self._placeholder if spec.sinks is None else self._upload(spec.sinks)
         variant = dict(sinks=sinks, has_sinks=spec.sinks is not None)
         wg = self.layout.work_group_size
         events = [self._k_attention(
             self.queue, (plan.num_items * wg,), (wg,), wait_for=q_wait,
-            q=qd, k_pool=self._k[layer], v_pool=self._v[layer], page_indptr=t["page_indptr"],
+            q=qd, k_pool=self._k[layer], v_pool=self._v[layer], **self._scales(layer),
+            page_indptr=t["page_indptr"],
             page_indices=t["page_indices"], items=plan.items, group=plan.group,
             num_groups=plan.num_groups, sub_groups=plan.sub_groups, page_size=self.page_size,
             num_pages=self.layer_pages[layer], nnz=len(tables.page_indices), scale=spec.scale,
@@ -378,6 +413,8 @@ class OpenCLBackend(Backend):
                 items=plan.items, seg_items=plan.seg_items, seg_parts=plan.seg_parts,
                 part_acc=part_acc, part_max=part_max, part_sum=part_sum, group=plan.group,
                 num_groups=plan.num_groups, out=out, **variant))
+        if self.storage.rotation_block:   # the output, back from the rotated basis
+            events.append(self._rotate(out))
         self._last_events = events
         out.add_event(events[-1])
         if native:
@@ -407,10 +444,12 @@ class OpenCLBackend(Backend):
             return k, v
         slots_d = self._upload(slots.astype(np.int64))
         kd, vd = self._empty(k.shape), self._empty(v.shape)
-        self._launch(self._k_gather, n * self.num_kv_heads * self._vectors_per_row,
+        scales = self._scales(layer) if self.storage.scaled else {}
+        self._launch(self._k_gather, n * self.num_kv_heads * self._rows_or_vectors,
                      k_pool=self._k[layer], v_pool=self._v[layer], slots=slots_d, k_out=kd,
                      v_out=vd, num_slots_wanted=n, num_kv_heads=self.num_kv_heads,
-                     page_size=self.page_size, num_slots=self.layer_pages[layer] * self.page_size)
+                     page_size=self.page_size, num_slots=self.layer_pages[layer] * self.page_size,
+                     **scales)
         kd.get(ary=k)
         vd.get(ary=v)
         return k, v

@@ -21,7 +21,7 @@ import numpy as np
 
 from pagedkv.backends.kernel_source import work_item_fields
 
-#: The work-item columns, e.g. ``ITEM.KEY0``; ``ITEM.FIELDS`` is their count.
+#: The work-item columns, e.g. ``ITEM.KEY0``; ``ITEM.COUNT`` is their count.
 ITEM = work_item_fields()
 
 
@@ -57,7 +57,7 @@ def plan_attention(query_start, seq_lens, *, num_kv_heads, page_size, rows_per_b
 
     Returns
     -------
-    items : ndarray, shape [num_items, ITEM.FIELDS], int32
+    items : ndarray, shape [num_items, ITEM.COUNT], int32
     item_offsets : ndarray, shape [num_blocks * num_kv_heads / heads_per_item + 1], int32
         Items ``item_offsets[m]:item_offsets[m+1]`` belong to (query block, head) ``m``.
     """
@@ -108,7 +108,7 @@ def plan_attention(query_start, seq_lens, *, num_kv_heads, page_size, rows_per_b
     within = np.arange(len(blk)) - np.repeat(np.cumsum(per_block) - per_block, per_block)
     head = within // parts[blk]
     part = within % parts[blk]
-    items = np.empty((len(blk), ITEM.FIELDS), dtype=np.int32)
+    items = np.empty((len(blk), ITEM.COUNT), dtype=np.int32)
     items[:, ITEM.SEQ] = seq[blk]
     items[:, ITEM.KV_HEAD] = head * heads_per_item
     items[:, ITEM.ROW0] = row0[blk]
