@@ -5,10 +5,13 @@ attention is dense causal softmax over them.
 """
 import numpy as np
 
-# Tolerances per storage dtype for attention outputs and gathered K/V.
+# Tolerances per storage dtype for attention outputs and gathered K/V.  int8
+# outputs are compared with attention over the rows gather returns (what int8
+# kept: tests/test_int8.py), so float32 rounding is all that separates them.
 TOLERANCE = {
     "float32": dict(rtol=2e-5, atol=2e-5),
     "float16": dict(rtol=2e-3, atol=2e-3),
+    "int8": dict(rtol=2e-5, atol=2e-5),
 }
 
 

@@ -321,7 +321,7 @@ def layout_options(name):
 
 @needs_opencl
 @pytest.mark.parametrize("layout", KINDS)
-@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "int8"])
 def test_same_results_as_host(cl_device, layout, dtype):
     host_out, host_kv = run_workload("host", dtype)
     ocl_out, ocl_kv = run_workload("opencl", dtype, device=cl_device,
@@ -335,7 +335,7 @@ def test_same_results_as_host(cl_device, layout, dtype):
 
 @needs_opencl
 @pytest.mark.parametrize("layout", KINDS)
-@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "int8"])
 def test_same_results_as_host_with_variants(cl_device, layout, dtype):
     variant = dict(sliding_window=19, logits_soft_cap=1.3, scale=0.25,
                    sinks=np.random.default_rng(9).uniform(-1, 2, 8))
