@@ -88,8 +88,8 @@ def runtime_file(cc, *names):
 
 
 def preload():
-    """``LD_PRELOAD`` for the sanitized modules: the ASan runtime (GCC's, else Clang's),
-    then libstdc++; skip (or fail in CI) where the compiler cannot link sanitized code."""
+    """``LD_PRELOAD`` for the sanitized modules: the compiler's ASan runtime, then
+    libstdc++; skip (or fail in CI) where the compiler cannot link sanitized code."""
     cc = compiler()
     if shutil.which(cc[0]) is None:
         unavailable(f"no C compiler ({cc[0]})")
@@ -101,7 +101,8 @@ def preload():
     if probe.returncode != 0:
         unavailable(f"{cc[0]} cannot link -fsanitize=address,undefined (install GCC's "
                     f"libasan and libubsan, or Clang's libclang-rt-dev): {probe.stderr[-500:]}")
-    asan = runtime_file(cc, "libasan.so", f"libclang_rt.asan-{platform.machine()}.so")
+    # Clang's first: Clang also finds GCC's libasan, which lacks Clang's UBSan handlers
+    asan = runtime_file(cc, f"libclang_rt.asan-{platform.machine()}.so", "libasan.so")
     cxx = runtime_file(cc, "libstdc++.so", "libstdc++.so.6")
     if asan is None or cxx is None:
         unavailable(f"{cc[0]} names no shared ASan runtime or libstdc++ to preload")
