@@ -105,7 +105,8 @@ if sys.platform != "win32":
 # PAGEDKV_SANITIZE=1 compiles every module with AddressSanitizer and UndefinedBehaviorSanitizer
 # (GCC or Clang), with the release directives (no bounds checks: the sanitizers check the C
 # that a release runs) and OpenMP; any UB report aborts.  Python itself is not instrumented,
-# so the ASan runtime must be loaded first: LD_PRELOAD=$(cc -print-file-name=libasan.so).
+# so the ASan runtime must be loaded first, and libstdc++ after it (ASan wraps __cxa_throw):
+# LD_PRELOAD="$(cc -print-file-name=libasan.so) $(cc -print-file-name=libstdc++.so)".
 # PAGEDKV_CPU_LEVEL=<level> then builds that kernel level alone (a quicker build, for the
 # machine that runs the tests).  tests/test_sanitizers.py builds and runs it.
 SANITIZE = os.environ.get("PAGEDKV_SANITIZE", "") == "1"

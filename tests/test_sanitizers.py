@@ -31,6 +31,7 @@ quicker build).  Then ``SANITIZED_TESTS`` run on it in a fresh interpreter:
 Linux only.  Without a compiler that links ``-fsanitize=address,undefined``,
 or without Cython, the test skips, except in CI (``$CI`` set), where it fails.
 """
+import importlib.util
 import os
 import platform
 import re
@@ -116,7 +117,8 @@ def sanitized(tmp_path_factory):
         pytest.skip("the sanitizer run is set up for Linux (LD_PRELOAD, GCC/Clang runtimes)")
     if not (ROOT / "setup.py").exists():
         unavailable(f"needs the source checkout ({ROOT} has no setup.py)")
-    pytest.importorskip("Cython", reason="needs Cython (the test extra installs it)")
+    if importlib.util.find_spec("Cython") is None:
+        unavailable("needs Cython (the test extra installs it)")
     ld_preload = preload()
     copy = tmp_path_factory.mktemp("sanitized")
     for name in COPIED:
@@ -176,7 +178,7 @@ def test_behaviour_and_stress_tests_pass_with_no_sanitizer_report(sanitized):
     copy, env = sanitized
     # -v: the output names the test before it runs, so a report's test is the line above it
     command = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "--capture=sys",
-               *SANITIZED_TESTS]
+               f"--basetemp={copy / 'pytest-tmp'}", *SANITIZED_TESTS]
     command += [arg for test in NOT_UNDER_ASAN for arg in ("--deselect", test)]
     result = subprocess.run(command, cwd=copy, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, timeout=1200)
