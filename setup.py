@@ -13,6 +13,8 @@ choice.
 The Cython directives are set once here.  ``PAGEDKV_DEBUG=1`` turns bounds
 checks and wraparound back on (a debugging build); ``PAGEDKV_PORTABLE=1``
 builds the baseline level alone (a quicker build; the kernels run slower).
+``PAGEDKV_SANITIZE=1`` builds every module with AddressSanitizer and UBSan
+(see "Sanitizer build" below).
 """
 import os
 import runpy
@@ -99,12 +101,35 @@ if sys.platform != "win32":
     else:
         print("pagedkv: compiler has no OpenMP; the host kernels will run serially")
 
+# --- Sanitizer build --------------------------------------------------------------------
+# PAGEDKV_SANITIZE=1 compiles every module with AddressSanitizer and UndefinedBehaviorSanitizer
+# (GCC or Clang), with the release directives (no bounds checks: the sanitizers check the C
+# that a release runs) and OpenMP; any UB report aborts.  Python itself is not instrumented,
+# so the ASan runtime must be loaded first, and libstdc++ after it (ASan wraps __cxa_throw):
+# LD_PRELOAD="$(cc -print-file-name=libasan.so) $(cc -print-file-name=libstdc++.so)".
+# PAGEDKV_CPU_LEVEL=<level> then builds that kernel level alone (a quicker build, for the
+# machine that runs the tests).  tests/test_sanitizers.py builds and runs it.
+SANITIZE = os.environ.get("PAGEDKV_SANITIZE", "") == "1"
+SANITIZE_LEVEL = os.environ.get("PAGEDKV_CPU_LEVEL", "").strip().lower() if SANITIZE else ""
+if SANITIZE:
+    if sys.platform == "win32":
+        sys.exit("PAGEDKV_SANITIZE=1 needs GCC or Clang (the flags are theirs)")
+    sanitizers = ["-fsanitize=address,undefined", "-fno-sanitize-recover=undefined"]
+    compile_args += sanitizers + ["-O1", "-g", "-fno-omit-frame-pointer"]   # -O1 after -O3
+    link_args += sanitizers
+
 
 def kernel_levels():
     """The levels to build the kernels for: every level of the target the compiler takes."""
     levels = LEVELS["levels_for"](_target_arch())
     if PORTABLE or sys.platform == "win32":  # MSVC: no vector extensions, plain loops only
         return levels[:1]
+    if SANITIZE_LEVEL:
+        chosen = [level for level in levels if level.name == SANITIZE_LEVEL]
+        if not chosen:
+            sys.exit(f"PAGEDKV_CPU_LEVEL: expected one of {[lv.name for lv in levels]}, "
+                     f"got {SANITIZE_LEVEL!r}")
+        return chosen
     built = [levels[0]]
     for level in levels[1:]:
         if _compiler_accepts(list(level.flags) + ["-O2"], VECTOR_PROBE):
