@@ -212,16 +212,10 @@ def cache_options(config, args):
 
 
 def make_cache(config, num_pages, args):
-    """The run's ``PagedKVCache``; a storage dtype it refuses is reported as ``--kv-dtype``."""
+    """The run's ``PagedKVCache``."""
     import pagedkv
-    try:
-        return pagedkv.PagedKVCache(config.num_layers, config.num_kv_heads, config.head_dim,
-                                    num_pages=num_pages, **cache_options(config, args))
-    except ValueError as exc:
-        if str(exc).startswith("dtype"):
-            raise ValueError(f"--kv-dtype {args.kv_dtype}: not supported by this pagedkv "
-                             f"({exc})") from None
-        raise
+    return pagedkv.PagedKVCache(config.num_layers, config.num_kv_heads, config.head_dim,
+                                num_pages=num_pages, **cache_options(config, args))
 
 
 def choose_prompts(args, tokenizer):
