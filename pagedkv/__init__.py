@@ -29,14 +29,15 @@ except ImportError:  # pragma: no cover - depends on how Python was started
 from pagedkv.backends import available_backends
 from pagedkv.cache import PagedKVCache
 from pagedkv.checkpoint import Checkpoint
-from pagedkv.step import StepBatch
+from pagedkv.step import StepBatch, WindowTables
+from pagedkv.storage import StorageFormat
 from pagedkv.errors import (ArgumentTypeError, BackendUnavailableError, OutOfPagesError,
-                            UnknownSequenceError)
+                            ReentrantCallError, UnknownSequenceError)
 from pagedkv._config import show_config
 from pagedkv._version import __version__  # noqa: F401  (public: pagedkv.__version__)
 
 __all__ = [
     "ArgumentTypeError", "BackendUnavailableError", "Checkpoint", "OutOfPagesError",
-    "PagedKVCache", "StepBatch", "UnknownSequenceError", "available_backends",
-    "show_config",
+    "PagedKVCache", "ReentrantCallError", "StepBatch", "StorageFormat", "UnknownSequenceError",
+    "WindowTables", "available_backends", "show_config",
 ]

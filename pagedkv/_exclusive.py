@@ -13,11 +13,9 @@ import os
 import threading
 import weakref
 
+from pagedkv.errors import ReentrantCallError
+
 _guards: "weakref.WeakSet[Guard]" = weakref.WeakSet()
-
-
-class ReentrantCallError(RuntimeError):
-    """A call on a cache from inside another call on the same cache (e.g. a callback)."""
 
 
 class Guard:

@@ -10,6 +10,7 @@ keeps the two in step.  A typical engine step::
         out = cache.attention(layer, batch, q)
 """
 import sys
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -125,11 +126,13 @@ class PagedKVCache:
     cannot be copied or pickled.
     """
 
-    def __init__(self, num_layers, num_kv_heads, head_dim, *, num_pages, page_size=16,
-                 dtype="float32", max_seq_len=None, backend="auto", device=None,
-                 enable_prefix_caching=False, prefix_hash=None, layer_windows=None,
-                 num_window_pages=None, window_rollback_tokens=1, kv_rotation=True,
-                 backend_options=None):
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, *, num_pages: int,
+                 page_size: int = 16, dtype: Any = "float32", max_seq_len: Optional[int] = None,
+                 backend: str = "auto", device: Any = None, enable_prefix_caching: bool = False,
+                 prefix_hash: Optional[Callable[[int, tuple], int]] = None,
+                 layer_windows: Optional[Sequence[Optional[int]]] = None,
+                 num_window_pages: Optional[int] = None, window_rollback_tokens: int = 1,
+                 kv_rotation: bool = True, backend_options: Optional[dict] = None):
         self._guard = Guard()
         self.num_layers = check_int("num_layers", num_layers, minimum=1)
         self.num_kv_heads = check_int("num_kv_heads", num_kv_heads, minimum=1)
@@ -187,7 +190,6 @@ class PagedKVCache:
                              [i for i, w in enumerate(self.layer_windows) if w is not None])
         self._checkpoints = CheckpointBook(self)
         self._generation = 0
-        self._last_batch = None
 
     def __copy__(self):
         raise TypeError("PagedKVCache cannot be copied: two facades over one page table "
@@ -233,67 +235,67 @@ class PagedKVCache:
     # -- pool ----------------------------------------------------------------------
     @property
     @exclusive
-    def num_pages(self):
+    def num_pages(self) -> int:
         """Pages in the pool."""
         return self._allocator.num_pages
 
     @property
     @exclusive
-    def num_free_pages(self):
+    def num_free_pages(self) -> int:
         """Pages an ``append`` can take now."""
         return self._allocator.num_free
 
     @property
     @exclusive
-    def num_window_pages(self):
+    def num_window_pages(self) -> int:
         """Pages in the windowed layers' pool (0 when no layer is windowed)."""
         return self._window_allocator.num_pages if self._window_allocator else 0
 
     @property
     @exclusive
-    def num_free_window_pages(self):
+    def num_free_window_pages(self) -> int:
         """Window pages an ``append`` can take now (0 when no layer is windowed)."""
         return self._window_allocator.num_free if self._window_allocator else 0
 
     @property
-    def memory_bytes(self):
+    def memory_bytes(self) -> int:
         """Bytes of K/V page storage (all layers, K and V, both pools)."""
         return self._backend.memory_bytes
 
     @exclusive
-    def page_count(self, seq_id):
+    def page_count(self, seq_id: int) -> int:
         """Pages the sequence holds (shared ones included)."""
         return len(self._tables.pages(seq_id))
 
-    def token_capacity(self, seq_id):
+    def token_capacity(self, seq_id: int) -> int:
         """Tokens the sequence's pages can hold: ``page_count * page_size``."""
         return self.page_count(seq_id) * self.page_size
 
     @exclusive
-    def page_ids(self, seq_id):
+    def page_ids(self, seq_id: int) -> np.ndarray:
         """The sequence's page ids in order; ndarray, shape [page_count], int32."""
         return self._tables.pages(seq_id)
 
     @exclusive
-    def window_page_count(self, seq_id):
+    def window_page_count(self, seq_id: int) -> int:
         """Pages the sequence holds in the window pool (0 when no layer is windowed)."""
         return self._tables.held_pages(seq_id) if self._window_allocator else 0
 
     @exclusive
-    def window_page_ids(self, seq_id):
+    def window_page_ids(self, seq_id: int) -> np.ndarray:
         """The sequence's window-pool page ids in position order, -1 for pages given
         back; ndarray, shape [page_count], int32 (empty when no layer is windowed)."""
         return self._tables.pages(seq_id, True)
 
     @exclusive
-    def refcount(self, page_id):
+    def refcount(self, page_id: int) -> int:
         """How many sequences hold page ``page_id`` (0 = free)."""
         page_id = check_int("page_id", page_id, minimum=0, maximum=self._allocator.num_pages - 1)
         return self._allocator.refcount(page_id)
 
     # -- sequences -------------------------------------------------------------
     @exclusive
-    def add_sequence(self, token_ids=None):
+    def add_sequence(self, token_ids: Optional[Sequence[int]] = None) -> int:
         """Create a sequence; return its id (ids are never reused).
 
         Parameters
@@ -316,29 +318,29 @@ class PagedKVCache:
         return self._tables.add(tokens if self.prefix_caching else None)
 
     @exclusive
-    def fork(self, seq_id):
+    def fork(self, seq_id: int) -> int:
         """A new sequence sharing every page of ``seq_id``; copies happen on divergent writes."""
         return self._tables.fork(seq_id)
 
     @exclusive
-    def free(self, seq_id):
+    def free(self, seq_id: int) -> None:
         """Drop the sequence; its pages return to the pool once no sequence uses them."""
         self._tables.free(seq_id)
         self._checkpoints.forget(seq_id)
         self._generation += 1
 
     @exclusive
-    def seq_len(self, seq_id):
+    def seq_len(self, seq_id: int) -> int:
         """Tokens stored in the sequence."""
         return self._tables.seq_len(seq_id)
 
     @exclusive
-    def seq_ids(self):
+    def seq_ids(self) -> List[int]:
         """Ids of the live sequences, ascending."""
         return self._tables.ids()
 
     @exclusive
-    def truncate(self, seq_id, new_len):
+    def truncate(self, seq_id: int, new_len: int) -> None:
         """Roll the sequence back to its first ``new_len`` tokens; pages past them are released.
 
         Checkpoints of the sequence beyond ``new_len`` become void.
@@ -353,13 +355,13 @@ class PagedKVCache:
         self._generation += 1
 
     @exclusive
-    def checkpoint(self, seq_id):
+    def checkpoint(self, seq_id: int) -> Checkpoint:
         """Record the sequence's length for a later ``restore`` (keeps no pages alive)."""
         seq_id = check_seq_id("seq_id", seq_id)
         return self._checkpoints.make(seq_id, self._tables.seq_len(seq_id))
 
     @exclusive
-    def restore(self, checkpoint):
+    def restore(self, checkpoint: Checkpoint) -> None:
         """Truncate the checkpoint's sequence back to the checkpointed length.
 
         Raises
@@ -385,7 +387,7 @@ class PagedKVCache:
         self._truncate(checkpoint.seq_id, checkpoint.seq_len)
 
     @exclusive
-    def clear(self):
+    def clear(self) -> None:
         """Free every sequence."""
         for seq_id in self._tables.ids():
             self._checkpoints.forget(seq_id)
@@ -394,7 +396,8 @@ class PagedKVCache:
 
     # -- one step ------------------------------------------------------------------
     @exclusive
-    def append(self, seq_ids, num_new_tokens, token_ids=None):
+    def append(self, seq_ids: Sequence[int], num_new_tokens: Union[int, Sequence[int]],
+               token_ids: Optional[Sequence[int]] = None) -> StepBatch:
         """Reserve slots for this step's new tokens; all or nothing.
 
         Parameters
@@ -435,7 +438,6 @@ class PagedKVCache:
             self._backend.prepare_step(batch._tables)
         if window_layers:
             self._backend.prepare_step(batch._window_tables)
-        self._last_batch = batch
         return batch
 
     def _check_step(self, layer, batch):
@@ -450,7 +452,7 @@ class PagedKVCache:
 
 
     @exclusive
-    def store(self, layer, batch, k, v):
+    def store(self, layer: int, batch: StepBatch, k: Any, v: Any) -> None:
         """Write the step's new K and V of one layer into their slots.
 
         Once every layer of the step is stored, the pages it filled join the
@@ -476,8 +478,9 @@ class PagedKVCache:
             self._tables.close_step()
 
     @exclusive
-    def attention(self, layer, batch, q, *, scale=None, sliding_window=None,
-                  logits_soft_cap=None, sinks=None):
+    def attention(self, layer: int, batch: StepBatch, q: Any, *, scale: Optional[float] = None,
+                  sliding_window: Optional[int] = None,
+                  logits_soft_cap: Optional[float] = None, sinks: Any = None) -> Any:
         """Attention of the step's new tokens over their sequences' stored K/V.
 
         For query head ``h`` of the new token at position ``p`` (new token
@@ -553,7 +556,7 @@ class PagedKVCache:
 
     # -- prefix cache ------------------------------------------------------------------
     @exclusive
-    def stats(self):
+    def stats(self) -> Dict[str, Union[int, float]]:
         """Page and prefix-cache counters.
 
         Returns
@@ -587,14 +590,14 @@ class PagedKVCache:
                 f"num_cached_{suffix}": allocator.num_cached_free}
 
     @exclusive
-    def reset_prefix_cache(self):
+    def reset_prefix_cache(self) -> int:
         """Drop every cached page that no sequence uses (both pools); return how many."""
         return self._allocator.reset_prefix_cache() + \
             (self._window_allocator.reset_prefix_cache() if self._window_allocator else 0)
 
     # -- reading back ----------------------------------------------------------------
     @exclusive
-    def gather(self, layer, seq_id, start=0):
+    def gather(self, layer: int, seq_id: int, start: int = 0) -> Tuple[np.ndarray, np.ndarray]:
         """The sequence's K and V of one layer, contiguous, from position ``start`` on.
 
         A windowed layer holds only its recent positions: asking for positions
@@ -623,7 +626,7 @@ class PagedKVCache:
         return self._tables.slots(seq_id, start, stop, windowed)
 
     @exclusive
-    def read_token(self, layer, seq_id, pos):
+    def read_token(self, layer: int, seq_id: int, pos: int) -> Tuple[np.ndarray, np.ndarray]:
         """K and V of one token (a windowed layer: only positions it still holds).
 
         Returns
@@ -636,7 +639,7 @@ class PagedKVCache:
         k, v = self._backend.gather(layer, self._slots(layer, seq_id, pos, pos + 1, "pos"))
         return k[0], v[0]
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return (f"PagedKVCache(num_layers={self.num_layers}, num_kv_heads={self.num_kv_heads}, "
                 f"head_dim={self.head_dim}, num_pages={self._allocator.num_pages}, "
                 f"page_size={self.page_size}, dtype={self.dtype.name!r}, backend={self.backend!r})")

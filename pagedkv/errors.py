@@ -22,3 +22,8 @@ class ArgumentTypeError(TypeError, ValueError):
     A ``TypeError`` by Python convention, and a ``ValueError`` because the
     contract promises ``ValueError`` for every malformed argument.
     """
+
+
+class ReentrantCallError(RuntimeError):
+    """A call on a cache from inside another call on the same cache (e.g. from a
+    ``prefix_hash`` callback); nothing changed."""

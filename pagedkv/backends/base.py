@@ -11,10 +11,15 @@ backend may assume well-formed input:
 * ``spec``: a validated :class:`pagedkv.attention_spec.AttentionSpec`;
 * page ids, slots and tables: produced by :class:`pagedkv._page_table.PageTables`.
 """
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Sequence, Tuple
 
 import numpy as np
+
+if TYPE_CHECKING:   # annotations only: importing them here would be circular
+    from pagedkv.attention_spec import AttentionSpec
+    from pagedkv.storage import StorageFormat
 
 
 @dataclass(eq=False)
@@ -57,55 +62,65 @@ class StepTables:
         return self._plans[key]
 
 
-class Backend:
-    """What a backend provides.  Subclasses implement every method below."""
+class Backend(ABC):
+    """What a backend provides: every abstract method below.
+
+    Attributes
+    ----------
+    name : str
+        The name ``PagedKVCache(backend=...)`` takes.
+    array_types : tuple of type
+        The backend's own array types that ``store`` and ``attention`` take as
+        they are (numpy arrays and CPU tensors are converted by the facade).
+    """
 
     name: Optional[str] = None
-
-    #: The backend's own array types that ``store`` and ``attention`` take as they are.
     array_types: tuple = ()
 
     @classmethod
-    def unavailable_reason(cls):
+    @abstractmethod
+    def unavailable_reason(cls) -> Optional[str]:
         """None if this backend can run here; else why not and how to fix it."""
-        raise NotImplementedError
 
     @classmethod
-    def suits_auto(cls):
+    def suits_auto(cls) -> bool:
         """Whether ``backend="auto"`` should take this backend when it can run."""
         return True
 
-    def __init__(self, *, num_kv_heads, head_dim, layer_pages, page_size, storage, device=None,
-                 options=None):
+    @abstractmethod
+    def __init__(self, *, num_kv_heads: int, head_dim: int, layer_pages: Sequence[int],
+                 page_size: int, storage: "StorageFormat", device: Any = None,
+                 options: Optional[dict] = None):
         """Pools for ``len(layer_pages)`` layers (layer ``l`` has ``layer_pages[l]``
         pages) in the :class:`pagedkv.storage.StorageFormat` ``storage``."""
-        raise NotImplementedError
 
     @property
-    def memory_bytes(self):
-        """Bytes of K/V page storage (all layers, K and V)."""
-        raise NotImplementedError
+    @abstractmethod
+    def memory_bytes(self) -> int:
+        """Bytes of K/V page storage (all layers, K and V, scales included)."""
 
-    def prepare_step(self, tables):
+    @abstractmethod
+    def prepare_step(self, tables: StepTables) -> None:
         """Called once per ``append`` with its :class:`StepTables`; may set ``tables.device``."""
-        raise NotImplementedError
 
-    def copy_pages(self, src, dst, layers):
-        """Copy pages ``src[i] -> dst[i]`` (int32 arrays) in each of ``layers``, K and V."""
-        raise NotImplementedError
+    @abstractmethod
+    def copy_pages(self, src: np.ndarray, dst: np.ndarray, layers: Sequence[int]) -> None:
+        """Copy pages ``src[i] -> dst[i]`` (int32 arrays) in each of ``layers``, K and V
+        (and their scales)."""
 
-    def store(self, layer, tables, k, v):
+    @abstractmethod
+    def store(self, layer: int, tables: StepTables, k: Any, v: Any) -> None:
         """Write ``k``, ``v`` [total_new, num_kv_heads, head_dim] at the step's slots (-1 skips)."""
-        raise NotImplementedError
 
-    def attention(self, layer, tables, q, spec, out=None):
+    @abstractmethod
+    def attention(self, layer: int, tables: StepTables, q: Any, spec: "AttentionSpec",
+                  out: Optional[np.ndarray] = None) -> Any:
         """Paged attention of the variant ``spec``; ``q`` [total_new, num_heads, head_dim]
         -> float32, same shape and same kind (numpy or native) as ``q``.
 
         ``out`` (numpy, float32, C-contiguous, ``q``'s shape; only with numpy
         ``q``) receives the result and is returned."""
-        raise NotImplementedError
 
-    def gather(self, layer, slots):
+    @abstractmethod
+    def gather(self, layer: int, slots: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
         """K and V at ``slots`` (int64 [n]) as float32 numpy arrays [n, num_kv_heads, head_dim]."""
-        raise NotImplementedError
