@@ -29,6 +29,9 @@ except ImportError:  # torch is optional: its rows are left out
     torch = None
 
 
+DTYPES = ("float32", "float16", "int8")
+
+
 def fill_cache(backend, dtype, num_seqs, seq_len, num_kv_heads, head_dim, page_size, rng,
                keep_contiguous=True):
     """A cache holding ``num_seqs`` sequences of random K/V; returns (cache, seqs, K, V) with
@@ -69,19 +72,25 @@ def torch_sdpa(q, k, v, causal):
                                                                 enable_gqa=True)
 
 
-def decode_rows(backend, args, rng, bandwidth):
-    B, L, hkv, hq, d, ps = args.num_seqs, args.seq_len, 8, 32, 128, 16
+def decode_rows(backend, args, rng, bandwidth, num_kv_heads=8, dtypes=DTYPES):
+    """Decode rows per storage dtype: ms, KV bytes read per second (values and int8
+    scales), that against the read bandwidth.  Returns (rows, {dtype: seconds}, (K, V))."""
+    B, L, hkv, hq, d, ps = args.num_seqs, args.seq_len, num_kv_heads, 32, 128, 16
     rows, times = [], {}
-    kv_bytes32 = 2 * B * L * hkv * d * 4
-    for dtype in ("float32", "float16"):
-        cache, seqs, K, V = fill_cache(backend, dtype, B, L - 1, hkv, d, ps, rng)
+    contiguous = (None, None)
+    for dtype in dtypes:
+        cache, seqs, K, V = fill_cache(backend, dtype, B, L - 1, hkv, d, ps, rng,
+                                       keep_contiguous=dtype == "float32")
+        if K is not None:
+            contiguous = (K, V)
         q = rng.standard_normal((B, hq, d), dtype=np.float32)
         k1 = rng.standard_normal((B, hkv, d), dtype=np.float32)
         step = decode_step(cache, seqs, L, q, k1)
         t = best_seconds(step, repeat=args.repeat)
-        kv_bytes = kv_bytes32 // (2 if dtype == "float16" else 1)
+        kv_bytes = 2 * B * L * hkv * cache.storage.row_bytes(d)
         times[dtype] = t
-        rows.append([f"{backend} paged, {dtype}", f"{t * 1e3:.2f}", f"{kv_bytes / t / 1e9:.2f}",
+        label = f"{backend} paged, {dtype}" + (f", {hkv} KV heads" if hkv != 8 else "")
+        rows.append([label, f"{t * 1e3:.2f}", f"{kv_bytes / t / 1e9:.2f}",
                      f"{kv_bytes / t / bandwidth:.2f}"])
         if hasattr(cache._backend, "last_attention_kernel_seconds"):
             # the best of as many steps as the wall-clock row, from profiling events
@@ -92,7 +101,7 @@ def decode_rows(backend, args, rng, bandwidth):
             rows.append([f"  {backend} kernels only (profiling events)", f"{kernel_s * 1e3:.2f}",
                          f"{kv_bytes / kernel_s / 1e9:.2f}", f"{kv_bytes / kernel_s / bandwidth:.2f}"])
         del cache
-    return rows, times, (K, V)
+    return rows, times, contiguous
 
 
 def cached_rows(backend, args, rng):
@@ -101,7 +110,7 @@ def cached_rows(backend, args, rng):
     the kernels' arithmetic.  The decode rows against it tell memory from compute."""
     B, L, hkv, hq, d, ps = args.num_seqs, args.seq_len, 8, 32, 128, 16
     rows = []
-    for dtype in ("float32", "float16"):
+    for dtype in DTYPES:
         cache = pagedkv.PagedKVCache(1, hkv, d, num_pages=-(-L // ps) + B, page_size=ps,
                                      dtype=dtype, backend=backend)
         first = cache.add_sequence()
@@ -164,13 +173,19 @@ def variant_rows(backend, args, rng):
 
     cache, seqs, _, _ = fill_cache(backend, "float16", B, args.seq_len - 1, hkv, d, ps, rng,
                                    keep_contiguous=False)
-    plain = best_seconds(decode_step(cache, seqs, args.seq_len, q, k1), repeat=args.repeat)
     for label, variant in (("soft cap 50", {"logits_soft_cap": 50.0}),
                            ("sinks", {"sinks": rng.standard_normal(hq)})):
-        t = best_seconds(decode_step(cache, seqs, args.seq_len, q, k1, **variant),
-                         repeat=args.repeat)
-        rows.append([f"{backend} decode {B} x {args.seq_len}, {label}", f"{t * 1e3:.2f}",
-                     f"{t / plain:.3f}", f"x the same decode without it ({plain * 1e3:.2f} ms)"])
+        # plain and variant alternate, best of each over the rounds: the machine's
+        # noise then hits both alike
+        plain = timed = float("inf")
+        for _ in range(args.rounds):
+            plain = min(plain, best_seconds(decode_step(cache, seqs, args.seq_len, q, k1),
+                                            repeat=args.repeat, warmup=1))
+            timed = min(timed, best_seconds(decode_step(cache, seqs, args.seq_len, q, k1,
+                                                        **variant),
+                                            repeat=args.repeat, warmup=1))
+        rows.append([f"{backend} decode {B} x {args.seq_len}, {label}", f"{timed * 1e3:.2f}",
+                     f"{timed / plain:.3f}", f"x the same decode without it ({plain * 1e3:.2f} ms)"])
     del cache
 
     n = args.window_prefill_len
@@ -212,12 +227,14 @@ def main():
     parser.add_argument("--window-seq-len", type=int, default=8192)
     parser.add_argument("--window-prefill-len", type=int, default=4096)
     parser.add_argument("--repeat", type=int, default=7)
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="interleaved rounds of the with/without comparisons")
     parser.add_argument("--sections", default="decode,variants,prefill",
                         help="comma-separated subset of decode, variants, prefill")
     parser.add_argument("--quick", action="store_true", help="a small case, for a smoke run")
     args = parser.parse_args()
     if args.quick:
-        args.num_seqs, args.seq_len, args.prefill_len, args.repeat = 4, 512, 256, 2
+        args.num_seqs, args.seq_len, args.prefill_len, args.repeat, args.rounds = 4, 512, 256, 2, 1
         args.window, args.window_seq_len, args.window_prefill_len = 64, 1024, 512
     sections = set(args.sections.split(","))
     rng = np.random.default_rng(0)
@@ -247,11 +264,17 @@ def decode_section(backends, args, rng, bandwidth):
     kv_bytes = 2 * B * L * hkv * d * 4
     header = ["decode attention", "ms", "KV GB/s", "x read bandwidth"]
     rows, contiguous = [], None
-    f16_ratio = {}
+    ratios = {}
     for backend in backends:
         r, times, contiguous = decode_rows(backend, args, rng, bandwidth)
         rows += r + cached_rows(backend, args, rng)
-        f16_ratio[backend] = times["float16"] / times["float32"]
+        # the same with as many KV heads as query heads (MHA: memory-bound even in float16)
+        r, mha, _ = decode_rows(backend, args, rng, bandwidth, num_kv_heads=32,
+                                dtypes=("float16", "int8"))
+        rows += r
+        ratios[backend] = [("float16 storage", "float32", times["float16"] / times["float32"]),
+                           ("int8 storage", "float16", times["int8"] / times["float16"]),
+                           ("int8 storage with 32 KV heads", "float16", mha["int8"] / mha["float16"])]
     K, V = contiguous
     q = rng.standard_normal((B, hq, d), dtype=np.float32)
     scale = 1 / math.sqrt(d)
@@ -266,8 +289,9 @@ def decode_section(backends, args, rng, bandwidth):
                      f"{kv_bytes / t / 1e9:.2f}", f"{kv_bytes / t / bandwidth:.2f}"])
     del K, V, contiguous
     print(fmt_table(header, rows))
-    for backend, ratio in f16_ratio.items():
-        print(f"{backend}: float16 storage takes {ratio:.2f}x the time of float32")
+    for backend, lines in ratios.items():
+        for what, than, ratio in lines:
+            print(f"{backend}: {what} takes {ratio:.2f}x the time of {than}")
     host_t = next((float(r[1]) / 1e3 for r in rows if r[0] == "host paged, float32"), None)
     if host_t:
         print(f"host paged decode vs numpy contiguous: {numpy_t / host_t:.1f}x faster")
