@@ -8,8 +8,9 @@ uninitialized values (``OCLGRIND_UNINITIALIZED``).  It is a second OpenCL
 implementation with a compiler of its own, and a kernel checker: every
 kernel runs here with small shapes, in both layouts (the CPU one: one
 work-item per group, float8 tiles; the GPU one: 128 work-items, float4), in
-float32 and float16, with the attention variants and through split-K and its
-merge.  Any diagnostic Oclgrind writes fails the test.
+float32, float16 and int8 (its quantizing scatter, dequantizing gather, the
+query and output rotations), with the attention variants and through
+split-K and its merge.  Any diagnostic Oclgrind writes fails the test.
 
 The checks apply to a program built after they are set: each test gets a
 context of its own, made with the variables set (Oclgrind reads them when a
@@ -25,6 +26,7 @@ import pytest
 
 import pagedkv
 from reference import Harness
+from test_int8 import Int8Harness
 
 CHECKS = {
     "OCLGRIND_DATA_RACES": "1",
@@ -69,7 +71,7 @@ class Grind:
         # those bytes, so the rest reads as uninitialized.  Zero them again in
         # one whole-buffer write, which it records right.
         backend = cache._backend
-        for pool in backend._k + backend._v:
+        for pool in backend._k + backend._v + backend._k_scales + backend._v_scales:
             cl.enqueue_copy(backend.queue, pool, np.zeros(pool.size, np.uint8))
         backend.queue.finish()
         return cache
@@ -99,13 +101,18 @@ def grind(tmp_path, monkeypatch):
 
 
 LAYOUTS = ["cpu", "gpu"]
-DTYPES = ["float32", "float16"]
+DTYPES = ["float32", "float16", "int8"]
+
+
+def harness(cache, **kwargs):
+    """The reference harness for the cache's dtype (int8: over the rows it kept)."""
+    return (Int8Harness if cache.dtype.name == "int8" else Harness)(cache, **kwargs)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_scatter_gather_and_page_copies(grind, layout, dtype):
-    h = Harness(grind.cache(layout, dtype), num_heads=4, seed=1)
+    h = harness(grind.cache(layout, dtype), num_heads=4, seed=1)
     a, b = h.add(), h.add()
     h.step([a, b], [11, 3], check=False)          # scatter over a page boundary
     child = h.fork(a)                             # shares a's partly full last page
@@ -141,7 +148,7 @@ VARIANTS = {
 def test_attention(grind, layout, dtype, variant):
     # GQA 2, ragged prefill (a partial chunk and partial tiles), then decode and
     # a chunk next to a decode
-    h = Harness(grind.cache(layout, dtype), num_heads=4, seed=3)
+    h = harness(grind.cache(layout, dtype), num_heads=4, seed=3)
     seqs = [h.add() for _ in range(3)]
     h.step(seqs, [13, 1, 9], **VARIANTS[variant])
     h.step(seqs, 1, **VARIANTS[variant])
@@ -154,7 +161,8 @@ def test_attention(grind, layout, dtype, variant):
 def test_split_k_and_merge(grind, layout, dtype):
     # one sequence long enough to be split over key ranges, with a window
     # and sinks on the merged path
-    h = Harness(grind.cache(layout, dtype, num_kv_heads=1, num_pages=80), num_heads=2, seed=4)
+    h = harness(grind.cache(layout, dtype, num_kv_heads=1, num_pages=80), num_heads=2,
+                seed=4)
     s = h.add()
     h.step([s], 600, check=False)
     batch = h.step([s], 1)
