@@ -174,14 +174,22 @@ class Harness:
             v = self.random(total, c.num_kv_heads, c.head_dim)
             q = self.random(total, self.num_heads, c.head_dim)
             c.store(layer, batch, k, v)
-            self.ref.store(layer, seq_ids, counts, k, v)
+            self.record(layer, seq_ids, counts, k, v)
             if not check:
                 continue
             out = c.attention(layer, batch, q, **variant)
             assert out.shape == q.shape and out.dtype == np.float32
-            np.testing.assert_allclose(out, self.ref.attention(
-                layer, seq_ids, counts, q, **self.layer_variant(layer, variant)), **self.tol)
+            self.compare(layer, seq_ids, counts, q, out, self.layer_variant(layer, variant))
         return batch
+
+    def record(self, layer, seq_ids, counts, k, v):
+        """The reference's side of ``store``: it holds what the cache should."""
+        self.ref.store(layer, seq_ids, counts, k, v)
+
+    def compare(self, layer, seq_ids, counts, q, out, variant):
+        """``out`` of ``attention`` against the reference."""
+        np.testing.assert_allclose(out, self.ref.attention(layer, seq_ids, counts, q, **variant),
+                                   **self.tol)
 
     def layer_variant(self, layer, variant):
         """The variant a layer computes: its own window (``layer_windows``), or a

@@ -17,6 +17,7 @@ class Int8Harness(Harness):
 
     def __init__(self, cache, num_heads=None, seed=0):
         super().__init__(cache, num_heads, seed)
+        self.tol = TIGHT
         # both references hold float32 rows: the kept ones, and the original ones
         self.ref = ReferenceCache(cache.num_layers, cache.num_kv_heads, cache.head_dim)
         self.original = ReferenceCache(cache.num_layers, cache.num_kv_heads, cache.head_dim)
@@ -39,33 +40,19 @@ class Int8Harness(Harness):
         super().restore(checkpoint)
         self.original.truncate(checkpoint.seq_id, checkpoint.seq_len)
 
-    def step(self, seq_ids, counts, check=True, **variant):
-        counts = [int(c) for c in np.broadcast_to(counts, (len(seq_ids),))]
-        batch = self.cache.append(seq_ids, counts)
-        c, total = self.cache, sum(counts)
-        for layer in range(c.num_layers):
-            k = self.random(total, c.num_kv_heads, c.head_dim)
-            v = self.random(total, c.num_kv_heads, c.head_dim)
-            q = self.random(total, self.num_heads, c.head_dim)
-            c.store(layer, batch, k, v)
-            self.original.store(layer, seq_ids, counts, k, v)
-            # the reference gets the rows the cache kept
-            kept_k, kept_v = [], []
-            for s, n in zip(seq_ids, counts):
-                gk, gv = c.gather(layer, s, c.seq_len(s) - n)
-                kept_k.append(gk)
-                kept_v.append(gv)
-            self.ref.store(layer, seq_ids, counts, np.concatenate(kept_k), np.concatenate(kept_v))
-            if not check:
-                continue
-            out = c.attention(layer, batch, q, **variant)
-            variant_here = self.layer_variant(layer, variant)
-            np.testing.assert_allclose(
-                out, self.ref.attention(layer, seq_ids, counts, q, **variant_here), **TIGHT)
-            # and close to attention over the original float32 rows
-            loose = self.original.attention(layer, seq_ids, counts, q, **variant_here)
-            assert np.abs(out - loose).max() < 0.05 * max(np.abs(loose).max(), 1.0)
-        return batch
+    def record(self, layer, seq_ids, counts, k, v):
+        # the reference gets the rows the cache kept; the original rows are kept too
+        self.original.store(layer, seq_ids, counts, k, v)
+        kept = [self.cache.gather(layer, s, self.cache.seq_len(s) - n)
+                for s, n in zip(seq_ids, counts)]
+        self.ref.store(layer, seq_ids, counts, np.concatenate([k for k, _ in kept]),
+                       np.concatenate([v for _, v in kept]))
+
+    def compare(self, layer, seq_ids, counts, q, out, variant):
+        super().compare(layer, seq_ids, counts, q, out, variant)      # tight, over kept rows
+        # and close to attention over the original float32 rows
+        loose = self.original.attention(layer, seq_ids, counts, q, **variant)
+        assert np.abs(out - loose).max() < 0.05 * max(np.abs(loose).max(), 1.0)
 
 
 def make(backend, *, num_kv_heads=2, head_dim=64, page_size=7, group=3, num_pages=128,
