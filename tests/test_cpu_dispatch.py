@@ -27,6 +27,7 @@ from pagedkv._levels import LEVELS, levels_for, target_arch
 from reference import TOLERANCE, dense_attention, round_to_storage
 
 import cpu_probe
+from python_child import run_python
 
 PROBE = Path(cpu_probe.__file__).resolve()
 X86 = levels_for("x86_64")
@@ -219,9 +220,7 @@ def test_a_level_above_the_cpu_warns_and_runs_the_best_it_has(tmp_path):
 
 
 def test_an_unknown_level_fails_the_import_with_the_variable_named(tmp_path):
-    result = subprocess.run([sys.executable, "-c", "import pagedkv"], cwd=tmp_path,
-                            capture_output=True, text=True,
-                            env={**os.environ, _cpu.ENV_VAR: "avx1024"})
+    result = run_python("import pagedkv", env={_cpu.ENV_VAR: "avx1024"})
     assert result.returncode != 0
     assert "ValueError: PAGEDKV_CPU_LEVEL: expected one of" in result.stderr
     assert "'avx1024'" in result.stderr

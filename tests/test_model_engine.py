@@ -7,9 +7,6 @@ prefilled in chunks beside other requests' decodes.  Every logit vector the
 engine samples from must match an independent float64 forward over the
 whole sequence with no cache at all.
 """
-import subprocess
-import tempfile
-import sys
 
 import numpy as np
 import pytest
@@ -18,6 +15,7 @@ import pagedkv
 from pagedkv.models.engine import Engine
 from pagedkv.models.llama import LayerWeights, LlamaConfig, LlamaModel, LlamaWeights
 from pagedkv.models.sampling import sample
+from python_child import run_python
 
 # whole-model tests: the engine more than the kernels, so one OpenCL device is enough
 pytestmark = pytest.mark.one_opencl_device
@@ -345,8 +343,6 @@ def test_core_and_engine_need_none_of_the_demo_dependencies():
             "from pagedkv.models import Engine, LlamaModel\n"
             "from pagedkv.models import demo\n"
             "sys.exit(demo.main(['--max-new-tokens', '1']))\n")
-    # run outside the source tree, so that the installed package is imported
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            timeout=120, cwd=tempfile.gettempdir())
+    result = run_python(code)
     assert result.returncode == 1, result.stderr
     assert 'pip install "pagedkv[demo]"' in result.stderr and "Traceback" not in result.stderr

@@ -3,7 +3,6 @@ tables edited in place, sizes that cannot work.  On every backend."""
 import copy
 import os
 import pickle
-import subprocess
 import sys
 import textwrap
 import threading
@@ -12,6 +11,7 @@ import numpy as np
 import pytest
 
 import pagedkv
+from python_child import run_python
 from reference import TOLERANCE, Harness, dense_attention
 
 
@@ -174,8 +174,7 @@ FORK_SCRIPT = textwrap.dedent("""
 def test_a_forked_child_works_or_fails_clearly(backend, mode):
     """After the parent ran kernels, a fork()ed child never hangs: it computes the
     right result, or refuses with an error that says how to do it instead."""
-    result = subprocess.run([sys.executable, "-c", FORK_SCRIPT, backend, mode],
-                            capture_output=True, text=True, timeout=120)
+    result = run_python(FORK_SCRIPT, backend, mode)
     assert result.returncode == 0, result.stderr
     line = result.stdout.strip()
     assert line == "child ok" or (line.startswith("child refused:") and "spawn" in line), line
@@ -331,8 +330,7 @@ LIMITED_SCRIPT = textwrap.dedent("""
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_AS is Linux's")
 def test_an_address_space_limit_gives_memory_error_not_a_crash(backend):
-    result = subprocess.run([sys.executable, "-c", LIMITED_SCRIPT, backend],
-                            capture_output=True, text=True, timeout=120)
+    result = run_python(LIMITED_SCRIPT, backend)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.startswith("MemoryError: num_pages"), result.stdout
 

@@ -12,8 +12,6 @@ torch's CPU build, and there ``test_ci_has_torch`` fails without it, as a
 missing OpenCL device fails CI.  ``import pagedkv`` must never import torch.
 """
 import os
-import subprocess
-import sys
 import textwrap
 
 import numpy as np
@@ -21,6 +19,7 @@ import pytest
 
 import pagedkv
 from pagedkv._arrays import to_numpy
+from python_child import run_python
 from reference import TOLERANCE, ReferenceCache
 
 TORCH_DTYPES = ["float16", "bfloat16", "float32", "float64"]
@@ -338,6 +337,5 @@ def test_import_and_numpy_use_never_import_torch(backend):
         assert "torch" not in sys.modules, "using pagedkv with numpy imported torch"
         print("ok")
     """)
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            timeout=120)
+    result = run_python(code)
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
