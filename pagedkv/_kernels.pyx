@@ -42,6 +42,29 @@ cdef extern from "pkv_simd.h" nogil:
                           int64_t first_hi, int group, float soft_cap, float* run_max,
                           float* run_sum, float* alpha)
 
+cdef extern from "pkv_block.h" nogil:
+    enum:
+        PKV_BLOCK_KEYS, PKV_BLOCK_MIN_QUERIES
+    int pkv_block_ld(int nq)
+    ctypedef struct pkv_block_prefetch:
+        const void* const* rows
+        int num_rows
+        long row_bytes
+    void pkv_block_scores(const float* qt, int ld, const float* const* krows, int nt, int n,
+                          float* s, const pkv_block_prefetch* pf)
+    void pkv_block_softmax(float* s, int ld, int nt, int nq, const int32_t* lo,
+                           const int32_t* hi, float soft_cap, float* run_max, float* run_sum,
+                           float* alpha, float* tmp)
+    void pkv_block_accumulate(float* acc, int nq, const float* alpha, const float* p, int ld,
+                              const float* const* vrows, int nt, int n,
+                              const pkv_block_prefetch* pf)
+    void pkv_block_rows(const void* x, int kind, int nrows, int n, const float* scales,
+                        float* out)
+
+cdef extern from "pkv_storage.h" nogil:
+    enum:
+        PKV_STORAGE_FLOAT32, PKV_STORAGE_FLOAT16, PKV_STORAGE_INT8
+
 cdef extern from "pkv_quant.h" nogil:
     void pkv_rotate(float* x, int n, int block, float scale)
     float pkv_quantize(const float* x, int n, int block, float scale, int8_t* q, float* tmp)
@@ -179,14 +202,17 @@ cdef void attend_item(const float[:, :, ::1] q,
                       const int32_t[::1] page_indptr, const int32_t[::1] page_indices,
                       const int32_t* item, int heads_per_item, float scale, float soft_cap,
                       int rotation_block, float rotation_scale,
-                      float* acc, float* run_max, float* run_sum, float* scratch) noexcept nogil:
+                      float* acc, float* run_max, float* run_sum, float* scratch,
+                      const void** rows) noexcept nogil:
     """One work item over KV heads ``h0 : h0 + heads_per_item``.
 
     Leaves unnormalised ``acc`` [heads_per_item * nq4, D] and ``run_max``,
     ``run_sum`` [heads_per_item * nq4], head-major, where nq = rows * group
     queries per head are padded to nq4, a multiple of 4, with zero queries:
     the vector primitives then always work on four queries at once.
-    ``scratch`` holds heads_per_item*nq4*D + nq4*(page_size + 1) floats.
+    ``scratch`` holds ``scratch_floats`` floats and ``rows`` 5 * PKV_BLOCK_KEYS
+    pointers.  Items of PKV_BLOCK_MIN_QUERIES queries per head or more take
+    the block path (``attend_item_blocks``); the others go page by page.
     int8: the queries are rotated like the stored rows (so q.k is unchanged),
     the logits take each key's scale and the weights each value's scale.
     """
@@ -211,6 +237,12 @@ cdef void attend_item(const float[:, :, ::1] q,
     cdef float* head_acc
     cdef float* head_max
     cdef float* head_sum
+
+    if nq >= PKV_BLOCK_MIN_QUERIES:
+        attend_item_blocks(q, k_pool, v_pool, k_scales, v_scales, page_indptr, page_indices,
+                           item, heads_per_item, scale, soft_cap, rotation_block,
+                           rotation_scale, acc, run_max, run_sum, scratch, rows)
+        return
 
     for x in range(heads_per_item * nq4):
         run_max[x] = -INFINITY
@@ -267,6 +299,156 @@ cdef void attend_item(const float[:, :, ::1] q,
             pkv_prefetch_rest(&next_values)
 
 
+cdef inline int storage_kind(storage_t* dummy) noexcept nogil:
+    if storage_t is float:
+        return PKV_STORAGE_FLOAT32
+    elif storage_t is uint16_t:
+        return PKV_STORAGE_FLOAT16
+    else:
+        return PKV_STORAGE_INT8
+
+
+cdef inline Py_ssize_t scratch_floats(int nq_max, int heads_per_item, int D,
+                                      int ps) noexcept nogil:
+    """Floats of one thread's scratch for items of up to ``nq_max`` queries per head."""
+    cdef int nq4 = padded_queries(nq_max), ld = pkv_block_ld(nq_max)
+    cdef Py_ssize_t pages = heads_per_item * nq4 * D + nq4 * (ps + 1)
+    # qt, s, the softmax's five arrays and lo/hi, float32 K and V rows
+    cdef Py_ssize_t blocks = (D + PKV_BLOCK_KEYS + 7) * ld + 2 * PKV_BLOCK_KEYS * D
+    return max(pages, blocks) if nq_max >= PKV_BLOCK_MIN_QUERIES else pages
+
+
+cdef void block_rows(storage_t[:, :, :, ::1] pool, const float[:, :, ::1] scales,
+                     const int32_t* pages, int h, int64_t key0, int nt, float* buf,
+                     const void** raw, const float** rows) noexcept nogil:
+    """Keys ``key0 + t`` (t < nt) of KV head ``h``: ``raw[t]``, the row in the
+    pool, and, unless ``rows`` is NULL, ``rows[t]``, the row as float32: the
+    pool's own for float32, else converted into ``buf`` [nt, D] (int8: times
+    the row scales)."""
+    cdef int D = pool.shape[3], ps = pool.shape[2], t = 0, nrun, off, x
+    cdef int32_t page
+    cdef storage_t* dummy = NULL
+    while t < nt:
+        page = pages[(key0 + t) // ps]
+        off = (key0 + t) % ps
+        nrun = min(ps - off, nt - t)
+        for x in range(nrun):
+            raw[t + x] = &pool[page, h, off + x, 0]
+        if rows != NULL:
+            if storage_t is float:
+                for x in range(nrun):
+                    rows[t + x] = &pool[page, h, off + x, 0]
+            else:
+                pkv_block_rows(&pool[page, h, off, 0], storage_kind(dummy), nrun, D,
+                               &scales[page, h, off] if storage_t is int8_t else NULL,
+                               buf + t * D)
+                for x in range(nrun):
+                    rows[t + x] = buf + (t + x) * D
+        t = t + nrun
+
+
+cdef void attend_item_blocks(const float[:, :, ::1] q,
+                             storage_t[:, :, :, ::1] k_pool, storage_t[:, :, :, ::1] v_pool,
+                             const float[:, :, ::1] k_scales, const float[:, :, ::1] v_scales,
+                             const int32_t[::1] page_indptr, const int32_t[::1] page_indices,
+                             const int32_t* item, int heads_per_item, float scale,
+                             float soft_cap, int rotation_block, float rotation_scale,
+                             float* acc, float* run_max, float* run_sum, float* scratch,
+                             const void** rows) noexcept nogil:
+    """``attend_item`` for items of many queries: keys by blocks of PKV_BLOCK_KEYS.
+
+    Per KV head: the queries transposed and scaled (int8: rotated), then per
+    block the scores, one online-softmax step and the weighted sum of the
+    values (``pkv_block.h``).  While the scores run, the block's value rows
+    are prefetched (float32; other formats: the next block's keys), and while
+    the values are summed, the next block's keys (other formats: values).
+    Leaves what ``attend_item`` leaves.
+    """
+    cdef int b = item[PKV_W_SEQ], h0 = item[PKV_W_KV_HEAD]
+    cdef int row0 = item[PKV_W_ROW0], row1 = item[PKV_W_ROW1]
+    cdef int key0 = item[PKV_W_KEY0], key1 = item[PKV_W_KEY1]
+    cdef int64_t band_lo = item[PKV_W_BAND_LO], band_hi = item[PKV_W_BAND_HI]
+    cdef int D = q.shape[2], group = q.shape[1] // k_pool.shape[1]
+    cdef int nq = (row1 - row0) * group
+    cdef int nq4 = padded_queries(nq), ld = pkv_block_ld(nq)
+    cdef int qi, x, hh, d, nt, next_nt, blk0
+    cdef int64_t lo, hi
+    cdef const int32_t* pages = &page_indices[page_indptr[b]]
+    cdef float* qt = scratch                          # [D, ld]
+    cdef float* s = qt + D * ld                       # [PKV_BLOCK_KEYS, ld]
+    cdef float* m = s + PKV_BLOCK_KEYS * ld           # [ld] running max
+    cdef float* l = m + ld                            # [ld] running sum
+    cdef float* alpha = l + ld                        # [ld]
+    cdef float* tmp = alpha + ld                      # [2 * ld]
+    cdef int32_t* lo_t = <int32_t*>(tmp + 2 * ld)     # [ld] band within the block
+    cdef int32_t* hi_t = lo_t + ld                    # [ld]
+    cdef float* k_buf = <float*>(hi_t + ld)           # [PKV_BLOCK_KEYS, D]
+    cdef float* v_buf = k_buf + PKV_BLOCK_KEYS * D    # [PKV_BLOCK_KEYS, D]
+    # row pointers, PKV_BLOCK_KEYS each: this block's keys and values as
+    # float32, the pool rows of the next block's keys and values, and (float32,
+    # whose rows are the pool's) this block's pool rows
+    cdef const float** krows = <const float**>rows
+    cdef const float** vrows = krows + PKV_BLOCK_KEYS
+    cdef const void** k_next = rows + 2 * PKV_BLOCK_KEYS
+    cdef const void** v_next = rows + 3 * PKV_BLOCK_KEYS
+    cdef const void** here = rows + 4 * PKV_BLOCK_KEYS
+    cdef pkv_block_prefetch during_scores, during_sum
+    cdef long row_bytes = D * sizeof(storage_t)
+    cdef const float* qv
+    cdef float* head_acc
+
+    for hh in range(heads_per_item):
+        head_acc = acc + hh * nq4 * D
+        for qi in range(ld):
+            if qi < nq:
+                qv = &q[row0 + qi // group, (h0 + hh) * group + qi % group, 0]
+                for d in range(D):
+                    k_buf[d] = qv[d] * scale
+                if storage_t is int8_t:
+                    pkv_rotate(k_buf, D, rotation_block, rotation_scale)
+                for d in range(D):
+                    qt[d * ld + qi] = k_buf[d]
+            else:
+                for d in range(D):
+                    qt[d * ld + qi] = 0.0
+            m[qi] = -INFINITY
+            l[qi] = 0.0
+        for x in range(nq4 * D):
+            head_acc[x] = 0.0
+
+        blk0 = key0
+        while blk0 < key1:
+            nt = min(PKV_BLOCK_KEYS, key1 - blk0)
+            next_nt = min(PKV_BLOCK_KEYS, key1 - blk0 - nt)
+            block_rows(k_pool, k_scales, pages, h0 + hh, blk0, nt, k_buf, here, krows)
+            block_rows(v_pool, v_scales, pages, h0 + hh, blk0, nt, v_buf, here, vrows)
+            block_rows(k_pool, k_scales, pages, h0 + hh, blk0 + nt, next_nt, k_buf, k_next,
+                       NULL)
+            if storage_t is float:
+                during_scores = pkv_block_prefetch(<const void**>vrows, nt, row_bytes)
+                during_sum = pkv_block_prefetch(k_next, next_nt, row_bytes)
+            else:
+                block_rows(v_pool, v_scales, pages, h0 + hh, blk0 + nt, next_nt, v_buf,
+                           v_next, NULL)
+                during_scores = pkv_block_prefetch(k_next, next_nt, row_bytes)
+                during_sum = pkv_block_prefetch(v_next, next_nt, row_bytes)
+            for qi in range(ld):
+                lo = 0
+                hi = 0
+                if qi < nq:
+                    lo = min(max(band_lo + qi // group - blk0, 0), nt)
+                    hi = min(max(band_hi + qi // group - blk0, lo), nt)
+                lo_t[qi] = <int32_t>lo
+                hi_t[qi] = <int32_t>hi
+            pkv_block_scores(qt, ld, krows, nt, D, s, &during_scores)
+            pkv_block_softmax(s, ld, nt, nq, lo_t, hi_t, soft_cap, m, l, alpha, tmp)
+            pkv_block_accumulate(head_acc, nq, alpha, s, ld, vrows, nt, D, &during_sum)
+            blk0 = blk0 + nt
+
+        for qi in range(nq4):
+            run_max[hh * nq4 + qi] = m[qi] if qi < nq else -INFINITY
+            run_sum[hh * nq4 + qi] = l[qi] if qi < nq else 0.0
+
 def paged_attention(const float[:, :, ::1] q,
                     storage_t[:, :, :, ::1] k_pool, storage_t[:, :, :, ::1] v_pool,
                     const float[:, :, ::1] k_scales, const float[:, :, ::1] v_scales,
@@ -315,9 +497,13 @@ def paged_attention(const float[:, :, ::1] q,
     cdef float[:, :, ::1] acc = acc_buf
     cdef float[:, ::1] run_max = max_buf, run_sum = sum_buf
     # one scratch row per thread: scaled queries, scores and softmax rescales
-    scratch_buf = np.empty((num_threads, heads_per_item * nq_max * D + nq_max * (ps + 1)),
+    # (and, on the block path, K/V row pointers)
+    scratch_buf = np.empty((num_threads, scratch_floats(max_rows_per_item * group,
+                                                        heads_per_item, D, ps)),
                            dtype=np.float32)
     cdef float[:, ::1] scratch = scratch_buf
+    rows_buf = np.empty((num_threads, 5 * PKV_BLOCK_KEYS), dtype=np.intp)
+    cdef Py_ssize_t[:, ::1] rows = rows_buf
     cdef const float* sink_ptr = &sinks[0] if sinks is not None else NULL
     cdef Py_ssize_t w, m
     if W == 0:
@@ -327,7 +513,7 @@ def paged_attention(const float[:, :, ::1] q,
             attend_item(q, k_pool, v_pool, k_scales, v_scales, page_indptr, page_indices,
                         &items[w, 0], heads_per_item, scale, soft_cap, rotation_block,
                         rotation_scale, &acc[w, 0, 0], &run_max[w, 0], &run_sum[w, 0],
-                        &scratch[threadid(), 0])
+                        &scratch[threadid(), 0], <const void**>&rows[threadid(), 0])
         for m in prange(M, schedule="static", num_threads=num_threads):
             merge_partials(&items[0, 0], item_offsets[m], item_offsets[m + 1], group,
                            heads_per_item, sink_ptr, rotation_block, rotation_scale, acc,

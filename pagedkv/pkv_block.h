@@ -1,0 +1,365 @@
+/* Micro-kernels of the host attention kernel for items with many queries
+ * (prefill, chunked prefill, wide GQA groups): a block of keys at a time.
+ *
+ * The page path of pkv_simd.h pays, for every page of 16 keys, one softmax
+ * pass per query, a rescale and a full load and store of the accumulators
+ * (64 queries x 128 floats: more than L1 with the K/V pages).  With many
+ * queries that overhead, not the multiply-adds, bounds it.  Here an item's
+ * keys go by blocks of PKV_BLOCK_KEYS (several pages): the scores of the
+ * whole block, one online-softmax step per block, then P V with each
+ * accumulator tile in registers across every key of the block.
+ *
+ * Layouts, for one KV head of an item with nq queries (padded to ld, a
+ * multiple of PKV_QUERY_TILE, with zero queries):
+ *   qt [n][ld]     the scaled queries, transposed: a vector holds one
+ *                  dimension of PKV_LANES queries
+ *   s  [keys][ld]  scores, then weights, transposed the same way, so that
+ *                  the softmax runs down columns with no horizontal
+ *                  reductions and P V reads a query's weight as a scalar
+ *   acc [nq][n]    the unnormalised outputs, one row per query
+ * Key and value rows are passed as one pointer per key, so that a block
+ * spans pages; float32 pools are read in place, the other formats are
+ * converted to float32 rows once per block (pkv_block_rows), which costs
+ * one pass over the block against ld multiply-adds per element.
+ *
+ * Score tiles are PKV_SCORE_VECS query vectors x PKV_SCORE_KEYS keys and
+ * accumulate tiles PKV_ACC_ROWS queries x PKV_ACC_VECS column vectors:
+ * 12 accumulators with AVX2's 16 registers (the FMA latency needs 8 in
+ * flight), 16 with AVX-512's 32, fewer where vectors are pairs of SSE
+ * registers.  Each tile's loop loads one operand as vectors and broadcasts
+ * the other, 8 loads per 12 multiply-adds with AVX2.
+ */
+#ifndef PKV_BLOCK_H
+#define PKV_BLOCK_H
+#include <math.h>
+#include <stdint.h>
+#include "pkv_simd.h"
+
+#if PKV_VECTOR && PKV_LANES == 16
+#define PKV_SCORE_VECS 2
+#define PKV_SCORE_KEYS 8
+#define PKV_ACC_ROWS 8
+#define PKV_ACC_VECS 2
+#elif PKV_VECTOR && (defined(__AVX__) || defined(__aarch64__))
+#define PKV_SCORE_VECS 2
+#define PKV_SCORE_KEYS 6
+#define PKV_ACC_ROWS 6
+#define PKV_ACC_VECS 2
+#elif PKV_VECTOR
+#define PKV_SCORE_VECS 1
+#define PKV_SCORE_KEYS 4
+#define PKV_ACC_ROWS 4
+#define PKV_ACC_VECS 1
+#endif
+
+#if PKV_VECTOR
+#define PKV_QUERY_TILE (PKV_SCORE_VECS * PKV_LANES)
+/* Keys per block: a whole number of score tiles, so that only an item's
+ * last block has a short tile. */
+#ifndef PKV_BLOCK_KEYS
+#define PKV_BLOCK_KEYS (16 * PKV_SCORE_KEYS)
+#endif
+#else
+#define PKV_QUERY_TILE 1
+#define PKV_BLOCK_KEYS 64
+#endif
+
+/* Queries per head from which an item takes the block path: below it (decode:
+ * one row of `group` queries) the page path streams K/V faster. */
+#define PKV_BLOCK_MIN_QUERIES 16
+
+/* Rows to prefetch into L2 while a kernel computes: the ones the next kernel
+ * reads.  A key block's rows come from L3 (one KV head's keys serve every
+ * query block of the sequence), and the first pass over them, read from
+ * there as it goes, ran at half the speed of the later passes; fetched a
+ * kernel ahead, a few rows per tile, all passes run from L2. */
+typedef struct {
+    const void *const *rows;    /* NULL: none */
+    int num_rows;
+    long row_bytes;
+} pkv_block_prefetch;
+
+/* Part `part` of `parts` of the rows of pf. */
+PKV_INLINE void pkv_block_prefetch_part(const pkv_block_prefetch *pf, int part, int parts) {
+#if PKV_VECTOR
+    if (!pf->rows) return;
+    const int r1 = (int)((long)(part + 1) * pf->num_rows / parts);
+    for (int r = (int)((long)part * pf->num_rows / parts); r < r1; r++)
+        for (long b = 0; b < pf->row_bytes; b += 64)
+            __builtin_prefetch((const char *)pf->rows[r] + b, 0, 1);
+#else
+    (void)pf; (void)part; (void)parts;
+#endif
+}
+
+/* The row length ld of qt and s for nq queries. */
+static inline int pkv_block_ld(int nq) {
+    return (nq + PKV_QUERY_TILE - 1) / PKV_QUERY_TILE * PKV_QUERY_TILE;
+}
+
+/* -- scores: s[t][q] = dot(query q, key t) ---------------------------------- */
+
+#if PKV_VECTOR
+/* One tile: PKV_SCORE_VECS query vectors x `keys` keys (keys constant at each
+ * call, so that the accumulators are registers). */
+PKV_INLINE void pkv_block_scores_tile(const float *restrict qt, int ld,
+                                      const float *const *restrict krows, int n,
+                                      float *restrict s, int keys) {
+    pkv_vec c[PKV_SCORE_KEYS][PKV_SCORE_VECS];
+    const float *k[PKV_SCORE_KEYS];
+    for (int j = 0; j < keys; j++) {
+        k[j] = krows[j];
+        for (int v = 0; v < PKV_SCORE_VECS; v++) c[j][v] = (pkv_vec){0};
+    }
+    for (int i = 0; i < n; i++) {
+        pkv_vec qv[PKV_SCORE_VECS];
+        for (int v = 0; v < PKV_SCORE_VECS; v++) {
+            qv[v] = *(const pkv_vec *)(qt + (long)i * ld + v * PKV_LANES);
+            PKV_IN_REGISTER(qv[v]);
+        }
+        for (int j = 0; j < keys; j++) {
+            const float b = k[j][i];
+            for (int v = 0; v < PKV_SCORE_VECS; v++) c[j][v] += b * qv[v];
+        }
+    }
+    for (int j = 0; j < keys; j++)
+        for (int v = 0; v < PKV_SCORE_VECS; v++)
+            *(pkv_vec *)(s + (long)j * ld + v * PKV_LANES) = c[j][v];
+}
+#endif
+
+/* The prefetches go with the first query tile's key tiles. */
+PKV_INLINE void pkv_block_scores_any(const float *restrict qt, int ld,
+                                     const float *const *restrict krows, int nt, int n,
+                                     float *restrict s, const pkv_block_prefetch *pf) {
+#if PKV_VECTOR
+    const int tiles = (nt + PKV_SCORE_KEYS - 1) / PKV_SCORE_KEYS;
+    for (int q0 = 0; q0 < ld; q0 += PKV_QUERY_TILE) {
+        int t = 0;
+        for (; t + PKV_SCORE_KEYS <= nt; t += PKV_SCORE_KEYS) {
+            if (q0 == 0) pkv_block_prefetch_part(pf, t / PKV_SCORE_KEYS, tiles);
+            pkv_block_scores_tile(qt + q0, ld, krows + t, n, s + (long)t * ld + q0,
+                                  PKV_SCORE_KEYS);
+        }
+        if (q0 == 0 && t < nt) pkv_block_prefetch_part(pf, tiles - 1, tiles);
+        /* a short last tile, its width a constant too */
+        switch (nt - t) {
+#define PKV_SCORE_TAIL(w) case w: pkv_block_scores_tile(qt + q0, ld, krows + t, n, \
+                                      s + (long)t * ld + q0, w); break;
+        PKV_SCORE_TAIL(1) PKV_SCORE_TAIL(2) PKV_SCORE_TAIL(3)
+#if PKV_SCORE_KEYS > 4
+        PKV_SCORE_TAIL(4) PKV_SCORE_TAIL(5)
+#endif
+#if PKV_SCORE_KEYS > 6
+        PKV_SCORE_TAIL(6) PKV_SCORE_TAIL(7)
+#endif
+#undef PKV_SCORE_TAIL
+        default: break;
+        }
+    }
+#else
+    (void)pf;
+    for (int t = 0; t < nt; t++)
+        for (int q = 0; q < ld; q++) {
+            float dot = 0.0f;
+            for (int i = 0; i < n; i++) dot += qt[(long)i * ld + q] * krows[t][i];
+            s[(long)t * ld + q] = dot;
+        }
+#endif
+}
+
+/* -- accumulate: acc[q] = alpha[q] * acc[q] + sum over t of s[t][q] * v[t] --- */
+
+#if PKV_VECTOR
+/* Queries 0 : rows, columns i0 : i0 + vecs * PKV_LANES (rows and vecs constant
+ * at each call); the tile stays in registers across all nt keys. */
+PKV_INLINE void pkv_block_accumulate_tile(float *restrict acc, int n,
+                                          const float *restrict alpha,
+                                          const float *restrict p, int ld,
+                                          const float *const *restrict vrows, int nt, int i0,
+                                          int rows, int vecs) {
+    pkv_vec a[PKV_ACC_ROWS][PKV_ACC_VECS];
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < vecs; c++)
+            a[r][c] = pkv_load(acc + (long)r * n, i0 + c * PKV_LANES, 0) * alpha[r];
+    for (int t = 0; t < nt; t++) {
+        const float *x = vrows[t] + i0;
+        const float *w = p + (long)t * ld;
+        pkv_vec xv[PKV_ACC_VECS];
+        for (int c = 0; c < vecs; c++) {
+            xv[c] = pkv_load(x, c * PKV_LANES, 0);
+            PKV_IN_REGISTER(xv[c]);
+        }
+        for (int r = 0; r < rows; r++) {
+            const float b = w[r];
+            for (int c = 0; c < vecs; c++) a[r][c] += b * xv[c];
+        }
+    }
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < vecs; c++)
+            *(pkv_vec *)(acc + (long)r * n + i0 + c * PKV_LANES) = a[r][c];
+}
+
+/* Every query tile of columns i0 : i0 + vecs * PKV_LANES.  Column tiles are
+ * the outer loop: a tile's slice of the value rows stays in L1 while the
+ * query tiles pass over it.  pf (or NULL): rows to prefetch, spread over the
+ * query tiles. */
+PKV_INLINE void pkv_block_accumulate_columns(float *restrict acc, int nq, int n,
+                                             const float *restrict alpha,
+                                             const float *restrict p, int ld,
+                                             const float *const *restrict vrows, int nt,
+                                             int i0, int vecs, const pkv_block_prefetch *pf) {
+    const int tiles = (nq + PKV_ACC_ROWS - 1) / PKV_ACC_ROWS;
+    int q = 0;
+    for (; q + PKV_ACC_ROWS <= nq; q += PKV_ACC_ROWS) {
+        if (pf) pkv_block_prefetch_part(pf, q / PKV_ACC_ROWS, tiles);
+        pkv_block_accumulate_tile(acc + (long)q * n, n, alpha + q, p + q, ld, vrows, nt, i0,
+                                  PKV_ACC_ROWS, vecs);
+    }
+    if (pf && q < nq) pkv_block_prefetch_part(pf, tiles - 1, tiles);
+    switch (nq - q) {
+#define PKV_ACC_TAIL(w) case w: pkv_block_accumulate_tile(acc + (long)q * n, n, alpha + q, \
+                                    p + q, ld, vrows, nt, i0, w, vecs); break;
+    PKV_ACC_TAIL(1) PKV_ACC_TAIL(2) PKV_ACC_TAIL(3)
+#if PKV_ACC_ROWS > 4
+    PKV_ACC_TAIL(4) PKV_ACC_TAIL(5)
+#endif
+#if PKV_ACC_ROWS > 6
+    PKV_ACC_TAIL(6) PKV_ACC_TAIL(7)
+#endif
+#undef PKV_ACC_TAIL
+    default: break;
+    }
+}
+#endif
+
+/* The prefetches go with the first column tile's query tiles. */
+PKV_INLINE void pkv_block_accumulate_any(float *restrict acc, int nq, const float *restrict alpha,
+                                         const float *restrict p, int ld,
+                                         const float *const *restrict vrows, int nt, int n,
+                                         const pkv_block_prefetch *pf) {
+    int i0 = 0;
+#if PKV_VECTOR
+    for (; i0 + PKV_ACC_VECS * PKV_LANES <= n; i0 += PKV_ACC_VECS * PKV_LANES)
+        pkv_block_accumulate_columns(acc, nq, n, alpha, p, ld, vrows, nt, i0, PKV_ACC_VECS,
+                                     i0 == 0 ? pf : NULL);
+#if PKV_ACC_VECS > 1
+    for (; i0 + PKV_LANES <= n; i0 += PKV_LANES)
+        pkv_block_accumulate_columns(acc, nq, n, alpha, p, ld, vrows, nt, i0, 1,
+                                     i0 == 0 ? pf : NULL);
+#endif
+#endif
+    if (i0 == 0) pkv_block_prefetch_part(pf, 0, 1);   /* no vector column at all */
+    for (int q = 0; q < nq; q++)
+        for (int i = i0; i < n; i++) {
+            float a = acc[(long)q * n + i] * alpha[q];
+            for (int t = 0; t < nt; t++) a += p[(long)t * ld + q] * vrows[t][i];
+            acc[(long)q * n + i] = a;
+        }
+}
+
+/* Entry points, specialised for common head sizes (as in pkv_simd.h). */
+#define PKV_BLOCK_SCORES_CALL(N) pkv_block_scores_any(qt, ld, krows, nt, N, s, pf)
+PKV_NOINLINE void pkv_block_scores(const float *qt, int ld, const float *const *krows, int nt,
+                                   int n, float *s, const pkv_block_prefetch *pf) {
+    PKV_WITH_HEAD_DIM(PKV_BLOCK_SCORES_CALL)
+}
+#define PKV_BLOCK_ACCUMULATE_CALL(N) \
+    pkv_block_accumulate_any(acc, nq, alpha, p, ld, vrows, nt, N, pf)
+PKV_NOINLINE void pkv_block_accumulate(float *acc, int nq, const float *alpha, const float *p,
+                                       int ld, const float *const *vrows, int nt, int n,
+                                       const pkv_block_prefetch *pf) {
+    PKV_WITH_HEAD_DIM(PKV_BLOCK_ACCUMULATE_CALL)
+}
+
+/* -- online softmax over a block ------------------------------------------- */
+
+/* One block of online softmax for queries 0 : ld (see the layouts above).
+ *
+ * s[t * ld + q], t < nt: the block's logits in, the weights out.  Query q
+ * sees the keys t in [lo[q], hi[q]) (0 <= lo <= hi <= nt; lo = hi = 0 for a
+ * padding query); soft_cap > 0 caps the logits first.  Weights of keys a
+ * query does not see are zero.  run_max, run_sum [ld]: the running max and
+ * sum; alpha [ld] receives exp(old max - new max), the factor that rescales
+ * query q's accumulator (1 while a query has seen no key).  tmp: 2 * ld
+ * floats.  The loops run along queries, in vectors. */
+static void pkv_block_softmax(float *restrict s, int ld, int nt, int nq,
+                              const int32_t *restrict lo, const int32_t *restrict hi,
+                              float soft_cap, float *restrict run_max, float *restrict run_sum,
+                              float *restrict alpha, float *restrict tmp) {
+    float *restrict m = tmp, *restrict sum = tmp + ld;
+    int banded = 0;
+    for (int q = 0; q < nq; q++) banded |= lo[q] != 0 || hi[q] != nt;
+    if (soft_cap > 0.0f)
+        for (int t = 0; t < nt; t++) pkv_soft_cap(s + (long)t * ld, ld, soft_cap);
+    for (int q = 0; q < ld; q++) {
+        m[q] = run_max[q];
+        sum[q] = 0.0f;
+    }
+    /* Padding queries (q >= nq) take every key unless the block is banded:
+     * their zero scores are harmless, and no one reads their results. */
+    if (!banded) {
+        for (int t = 0; t < nt; t++) {
+            const float *row = s + (long)t * ld;
+            #pragma omp simd
+            for (int q = 0; q < ld; q++) m[q] = row[q] > m[q] ? row[q] : m[q];
+        }
+    } else {
+        for (int t = 0; t < nt; t++) {
+            const float *row = s + (long)t * ld;
+            #pragma omp simd
+            for (int q = 0; q < ld; q++)
+                m[q] = t >= lo[q] && t < hi[q] && row[q] > m[q] ? row[q] : m[q];
+        }
+    }
+    #pragma omp simd
+    for (int q = 0; q < ld; q++) {
+        /* -inf - -inf is NaN: a query that has seen no key keeps factor 1 */
+        const float e = pkv_exp_nonpositive(run_max[q] - m[q]);
+        alpha[q] = m[q] == -INFINITY ? 1.0f : e;
+        run_max[q] = m[q];
+    }
+    if (!banded) {
+        for (int t = 0; t < nt; t++) {
+            float *row = s + (long)t * ld;
+            #pragma omp simd
+            for (int q = 0; q < ld; q++) {
+                const float e = pkv_exp_nonpositive(row[q] - m[q]);
+                row[q] = e;
+                sum[q] += e;
+            }
+        }
+    } else {
+        for (int t = 0; t < nt; t++) {
+            float *row = s + (long)t * ld;
+            #pragma omp simd
+            for (int q = 0; q < ld; q++) {
+                const float e = pkv_exp_nonpositive(row[q] - m[q]);
+                const float w = t >= lo[q] && t < hi[q] ? e : 0.0f;
+                row[q] = w;
+                sum[q] += w;
+            }
+        }
+    }
+    for (int q = 0; q < ld; q++) run_sum[q] = run_sum[q] * alpha[q] + sum[q];
+}
+
+/* -- key and value rows of formats other than float32 ------------------------ */
+
+/* out[r * n : +n] = row r of x (storage `kind`), times scales[r] when scales
+ * is not NULL (int8), for r < nrows. */
+static void pkv_block_rows(const void *x, int kind, int nrows, int n, const float *scales,
+                           float *restrict out) {
+    for (int r = 0; r < nrows; r++) {
+        const long base = (long)r * n;
+        const float scale = scales ? scales[r] : 1.0f;
+        int i = 0;
+#if PKV_VECTOR
+        for (; i + PKV_LANES <= n; i += PKV_LANES)
+            *(pkv_vec *)(out + base + i) = pkv_load(x, base + i, kind) * scale;
+#endif
+        for (; i < n; i++) out[base + i] = pkv_load1(x, base + i, kind) * scale;
+    }
+}
+
+#endif
