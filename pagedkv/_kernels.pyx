@@ -55,7 +55,7 @@ cdef extern from "pkv_block.h" nogil:
     void pkv_block_softmax(float* s, int ld, int nt, int nq, const int32_t* lo,
                            const int32_t* hi, float soft_cap, float* run_max, float* run_sum,
                            float* alpha, float* tmp)
-    void pkv_block_accumulate(float* acc, int nq, const float* alpha, const float* p, int ld,
+    void pkv_block_accumulate(float* acc, int ld, const float* alpha, const float* p,
                               const float* const* vrows, int nt, int n,
                               const pkv_block_prefetch* pf)
     void pkv_block_rows(const void* x, int kind, int nrows, int n, const float* scales,
@@ -313,8 +313,8 @@ cdef inline Py_ssize_t scratch_floats(int nq_max, int heads_per_item, int D,
     """Floats of one thread's scratch for items of up to ``nq_max`` queries per head."""
     cdef int nq4 = padded_queries(nq_max), ld = pkv_block_ld(nq_max)
     cdef Py_ssize_t pages = heads_per_item * nq4 * D + nq4 * (ps + 1)
-    # qt, s, the softmax's five arrays and lo/hi, float32 K and V rows
-    cdef Py_ssize_t blocks = (D + PKV_BLOCK_KEYS + 7) * ld + 2 * PKV_BLOCK_KEYS * D
+    # qt, s, acc, the softmax's five arrays and lo/hi, float32 K and V rows
+    cdef Py_ssize_t blocks = (2 * D + PKV_BLOCK_KEYS + 7) * ld + 2 * PKV_BLOCK_KEYS * D
     return max(pages, blocks) if nq_max >= PKV_BLOCK_MIN_QUERIES else pages
 
 
@@ -359,7 +359,8 @@ cdef void attend_item_blocks(const float[:, :, ::1] q,
 
     Per KV head: the queries transposed and scaled (int8: rotated), then per
     block the scores, one online-softmax step and the weighted sum of the
-    values (``pkv_block.h``).  While the scores run, the block's value rows
+    values (``pkv_block.h``), into transposed accumulators copied out at the
+    end.  While the scores run, the block's value rows
     are prefetched (float32; other formats: the next block's keys), and while
     the values are summed, the next block's keys (other formats: values).
     Leaves what ``attend_item`` leaves.
@@ -375,7 +376,8 @@ cdef void attend_item_blocks(const float[:, :, ::1] q,
     cdef int64_t lo, hi
     cdef const int32_t* pages = &page_indices[page_indptr[b]]
     cdef float* qt = scratch                          # [D, ld]
-    cdef float* s = qt + D * ld                       # [PKV_BLOCK_KEYS, ld]
+    cdef float* acc_t = qt + D * ld                   # [D, ld]
+    cdef float* s = acc_t + D * ld                    # [PKV_BLOCK_KEYS, ld]
     cdef float* m = s + PKV_BLOCK_KEYS * ld           # [ld] running max
     cdef float* l = m + ld                            # [ld] running sum
     cdef float* alpha = l + ld                        # [ld]
@@ -413,8 +415,8 @@ cdef void attend_item_blocks(const float[:, :, ::1] q,
                     qt[d * ld + qi] = 0.0
             m[qi] = -INFINITY
             l[qi] = 0.0
-        for x in range(nq4 * D):
-            head_acc[x] = 0.0
+        for x in range(D * ld):
+            acc_t[x] = 0.0
 
         blk0 = key0
         while blk0 < key1:
@@ -442,10 +444,12 @@ cdef void attend_item_blocks(const float[:, :, ::1] q,
                 hi_t[qi] = <int32_t>hi
             pkv_block_scores(qt, ld, krows, nt, D, s, &during_scores)
             pkv_block_softmax(s, ld, nt, nq, lo_t, hi_t, soft_cap, m, l, alpha, tmp)
-            pkv_block_accumulate(head_acc, nq, alpha, s, ld, vrows, nt, D, &during_sum)
+            pkv_block_accumulate(acc_t, ld, alpha, s, vrows, nt, D, &during_sum)
             blk0 = blk0 + nt
 
         for qi in range(nq4):
+            for d in range(D):
+                head_acc[qi * D + d] = acc_t[d * ld + qi] if qi < nq else 0.0
             run_max[hh * nq4 + qi] = m[qi] if qi < nq else -INFINITY
             run_sum[hh * nq4 + qi] = l[qi] if qi < nq else 0.0
 

@@ -9,25 +9,25 @@
  * whole block, one online-softmax step per block, then P V with each
  * accumulator tile in registers across every key of the block.
  *
- * Layouts, for one KV head of an item with nq queries (padded to ld, a
- * multiple of PKV_QUERY_TILE, with zero queries):
- *   qt [n][ld]     the scaled queries, transposed: a vector holds one
- *                  dimension of PKV_LANES queries
- *   s  [keys][ld]  scores, then weights, transposed the same way, so that
- *                  the softmax runs down columns with no horizontal
- *                  reductions and P V reads a query's weight as a scalar
- *   acc [nq][n]    the unnormalised outputs, one row per query
+ * Everything per query is transposed, for one KV head of an item with nq
+ * queries padded to ld (a multiple of PKV_QUERY_TILE) with zero queries:
+ *   qt  [n][ld]     the scaled queries
+ *   s   [keys][ld]  scores, then weights
+ *   acc [n][ld]     the unnormalised outputs
+ * so that a vector holds PKV_LANES queries: the softmax runs down columns
+ * with no horizontal reductions, the rescale multiplies whole vectors, and
+ * both products are one kind of tile, PKV_TILE_VECS query vectors x
+ * PKV_TILE_COLS keys (scores) or output columns (P V), whose loop loads the
+ * query side as vectors and broadcasts the key or value side: 12
+ * accumulators with AVX2's 16 registers (the FMA latency needs 8 in flight)
+ * and 8 loads per 12 multiply-adds, 16 with AVX-512's 32, fewer where a
+ * vector is a pair of SSE registers.  Queries outermost: a query tile's rows
+ * of qt or s stay in L1 while its tiles pass along them.
+ *
  * Key and value rows are passed as one pointer per key, so that a block
  * spans pages; float32 pools are read in place, the other formats are
- * converted to float32 rows once per block (pkv_block_rows), which costs
- * one pass over the block against ld multiply-adds per element.
- *
- * Score tiles are PKV_SCORE_VECS query vectors x PKV_SCORE_KEYS keys and
- * accumulate tiles PKV_ACC_ROWS queries x PKV_ACC_VECS column vectors:
- * 12 accumulators with AVX2's 16 registers (the FMA latency needs 8 in
- * flight), 16 with AVX-512's 32, fewer where vectors are pairs of SSE
- * registers.  Each tile's loop loads one operand as vectors and broadcasts
- * the other, 8 loads per 12 multiply-adds with AVX2.
+ * converted to float32 rows once per block (pkv_block_rows), one pass over
+ * the block against ld multiply-adds per element.
  */
 #ifndef PKV_BLOCK_H
 #define PKV_BLOCK_H
@@ -36,29 +36,21 @@
 #include "pkv_simd.h"
 
 #if PKV_VECTOR && PKV_LANES == 16
-#define PKV_SCORE_VECS 2
-#define PKV_SCORE_KEYS 8
-#define PKV_ACC_ROWS 8
-#define PKV_ACC_VECS 2
+#define PKV_TILE_VECS 2
+#define PKV_TILE_COLS 8
 #elif PKV_VECTOR && (defined(__AVX__) || defined(__aarch64__))
-#define PKV_SCORE_VECS 2
-#define PKV_SCORE_KEYS 6
-#define PKV_ACC_ROWS 6
-#define PKV_ACC_VECS 2
+#define PKV_TILE_VECS 2
+#define PKV_TILE_COLS 6
 #elif PKV_VECTOR
-#define PKV_SCORE_VECS 1
-#define PKV_SCORE_KEYS 4
-#define PKV_ACC_ROWS 4
-#define PKV_ACC_VECS 1
+#define PKV_TILE_VECS 1
+#define PKV_TILE_COLS 4
 #endif
 
 #if PKV_VECTOR
-#define PKV_QUERY_TILE (PKV_SCORE_VECS * PKV_LANES)
+#define PKV_QUERY_TILE (PKV_TILE_VECS * PKV_LANES)
 /* Keys per block: a whole number of score tiles, so that only an item's
  * last block has a short tile. */
-#ifndef PKV_BLOCK_KEYS
-#define PKV_BLOCK_KEYS (16 * PKV_SCORE_KEYS)
-#endif
+#define PKV_BLOCK_KEYS (16 * PKV_TILE_COLS)
 #else
 #define PKV_QUERY_TILE 1
 #define PKV_BLOCK_KEYS 64
@@ -100,30 +92,30 @@ static inline int pkv_block_ld(int nq) {
 /* -- scores: s[t][q] = dot(query q, key t) ---------------------------------- */
 
 #if PKV_VECTOR
-/* One tile: PKV_SCORE_VECS query vectors x `keys` keys (keys constant at each
- * call, so that the accumulators are registers). */
+/* One tile: PKV_TILE_VECS query vectors x `keys` keys (keys constant at each
+ * call, so that the accumulators are registers), over the n dimensions. */
 PKV_INLINE void pkv_block_scores_tile(const float *restrict qt, int ld,
                                       const float *const *restrict krows, int n,
                                       float *restrict s, int keys) {
-    pkv_vec c[PKV_SCORE_KEYS][PKV_SCORE_VECS];
-    const float *k[PKV_SCORE_KEYS];
+    pkv_vec c[PKV_TILE_COLS][PKV_TILE_VECS];
+    const float *k[PKV_TILE_COLS];
     for (int j = 0; j < keys; j++) {
         k[j] = krows[j];
-        for (int v = 0; v < PKV_SCORE_VECS; v++) c[j][v] = (pkv_vec){0};
+        for (int v = 0; v < PKV_TILE_VECS; v++) c[j][v] = (pkv_vec){0};
     }
     for (int i = 0; i < n; i++) {
-        pkv_vec qv[PKV_SCORE_VECS];
-        for (int v = 0; v < PKV_SCORE_VECS; v++) {
+        pkv_vec qv[PKV_TILE_VECS];
+        for (int v = 0; v < PKV_TILE_VECS; v++) {
             qv[v] = *(const pkv_vec *)(qt + (long)i * ld + v * PKV_LANES);
             PKV_IN_REGISTER(qv[v]);
         }
         for (int j = 0; j < keys; j++) {
             const float b = k[j][i];
-            for (int v = 0; v < PKV_SCORE_VECS; v++) c[j][v] += b * qv[v];
+            for (int v = 0; v < PKV_TILE_VECS; v++) c[j][v] += b * qv[v];
         }
     }
     for (int j = 0; j < keys; j++)
-        for (int v = 0; v < PKV_SCORE_VECS; v++)
+        for (int v = 0; v < PKV_TILE_VECS; v++)
             *(pkv_vec *)(s + (long)j * ld + v * PKV_LANES) = c[j][v];
 }
 #endif
@@ -133,13 +125,13 @@ PKV_INLINE void pkv_block_scores_any(const float *restrict qt, int ld,
                                      const float *const *restrict krows, int nt, int n,
                                      float *restrict s, const pkv_block_prefetch *pf) {
 #if PKV_VECTOR
-    const int tiles = (nt + PKV_SCORE_KEYS - 1) / PKV_SCORE_KEYS;
+    const int tiles = (nt + PKV_TILE_COLS - 1) / PKV_TILE_COLS;
     for (int q0 = 0; q0 < ld; q0 += PKV_QUERY_TILE) {
         int t = 0;
-        for (; t + PKV_SCORE_KEYS <= nt; t += PKV_SCORE_KEYS) {
-            if (q0 == 0) pkv_block_prefetch_part(pf, t / PKV_SCORE_KEYS, tiles);
+        for (; t + PKV_TILE_COLS <= nt; t += PKV_TILE_COLS) {
+            if (q0 == 0) pkv_block_prefetch_part(pf, t / PKV_TILE_COLS, tiles);
             pkv_block_scores_tile(qt + q0, ld, krows + t, n, s + (long)t * ld + q0,
-                                  PKV_SCORE_KEYS);
+                                  PKV_TILE_COLS);
         }
         if (q0 == 0 && t < nt) pkv_block_prefetch_part(pf, tiles - 1, tiles);
         /* a short last tile, its width a constant too */
@@ -147,10 +139,10 @@ PKV_INLINE void pkv_block_scores_any(const float *restrict qt, int ld,
 #define PKV_SCORE_TAIL(w) case w: pkv_block_scores_tile(qt + q0, ld, krows + t, n, \
                                       s + (long)t * ld + q0, w); break;
         PKV_SCORE_TAIL(1) PKV_SCORE_TAIL(2) PKV_SCORE_TAIL(3)
-#if PKV_SCORE_KEYS > 4
+#if PKV_TILE_COLS > 4
         PKV_SCORE_TAIL(4) PKV_SCORE_TAIL(5)
 #endif
-#if PKV_SCORE_KEYS > 6
+#if PKV_TILE_COLS > 6
         PKV_SCORE_TAIL(6) PKV_SCORE_TAIL(7)
 #endif
 #undef PKV_SCORE_TAIL
@@ -168,94 +160,78 @@ PKV_INLINE void pkv_block_scores_any(const float *restrict qt, int ld,
 #endif
 }
 
-/* -- accumulate: acc[q] = alpha[q] * acc[q] + sum over t of s[t][q] * v[t] --- */
+/* -- accumulate: acc[i][q] = alpha[q] * acc[i][q] + sum over t of s[t][q] * v[t][i] */
 
 #if PKV_VECTOR
-/* Queries 0 : rows, columns i0 : i0 + vecs * PKV_LANES (rows and vecs constant
- * at each call); the tile stays in registers across all nt keys. */
-PKV_INLINE void pkv_block_accumulate_tile(float *restrict acc, int n,
+/* One tile: PKV_TILE_VECS query vectors x `cols` output columns i0 : i0 + cols
+ * (cols constant at each call), over the nt keys. */
+PKV_INLINE void pkv_block_accumulate_tile(float *restrict acc, int ld,
                                           const float *restrict alpha,
-                                          const float *restrict p, int ld,
+                                          const float *restrict p,
                                           const float *const *restrict vrows, int nt, int i0,
-                                          int rows, int vecs) {
-    pkv_vec a[PKV_ACC_ROWS][PKV_ACC_VECS];
-    for (int r = 0; r < rows; r++)
-        for (int c = 0; c < vecs; c++)
-            a[r][c] = pkv_load(acc + (long)r * n, i0 + c * PKV_LANES, 0) * alpha[r];
+                                          int cols) {
+    pkv_vec a[PKV_TILE_COLS][PKV_TILE_VECS];
+    for (int v = 0; v < PKV_TILE_VECS; v++) {
+        const pkv_vec rescale = *(const pkv_vec *)(alpha + v * PKV_LANES);
+        for (int j = 0; j < cols; j++)
+            a[j][v] = *(const pkv_vec *)(acc + (long)(i0 + j) * ld + v * PKV_LANES) * rescale;
+    }
     for (int t = 0; t < nt; t++) {
         const float *x = vrows[t] + i0;
-        const float *w = p + (long)t * ld;
-        pkv_vec xv[PKV_ACC_VECS];
-        for (int c = 0; c < vecs; c++) {
-            xv[c] = pkv_load(x, c * PKV_LANES, 0);
-            PKV_IN_REGISTER(xv[c]);
+        pkv_vec pv[PKV_TILE_VECS];
+        for (int v = 0; v < PKV_TILE_VECS; v++) {
+            pv[v] = *(const pkv_vec *)(p + (long)t * ld + v * PKV_LANES);
+            PKV_IN_REGISTER(pv[v]);
         }
-        for (int r = 0; r < rows; r++) {
-            const float b = w[r];
-            for (int c = 0; c < vecs; c++) a[r][c] += b * xv[c];
+        for (int j = 0; j < cols; j++) {
+            const float b = x[j];
+            for (int v = 0; v < PKV_TILE_VECS; v++) a[j][v] += b * pv[v];
         }
     }
-    for (int r = 0; r < rows; r++)
-        for (int c = 0; c < vecs; c++)
-            *(pkv_vec *)(acc + (long)r * n + i0 + c * PKV_LANES) = a[r][c];
-}
-
-/* Every query tile of columns i0 : i0 + vecs * PKV_LANES.  Column tiles are
- * the outer loop: a tile's slice of the value rows stays in L1 while the
- * query tiles pass over it.  pf (or NULL): rows to prefetch, spread over the
- * query tiles. */
-PKV_INLINE void pkv_block_accumulate_columns(float *restrict acc, int nq, int n,
-                                             const float *restrict alpha,
-                                             const float *restrict p, int ld,
-                                             const float *const *restrict vrows, int nt,
-                                             int i0, int vecs, const pkv_block_prefetch *pf) {
-    const int tiles = (nq + PKV_ACC_ROWS - 1) / PKV_ACC_ROWS;
-    int q = 0;
-    for (; q + PKV_ACC_ROWS <= nq; q += PKV_ACC_ROWS) {
-        if (pf) pkv_block_prefetch_part(pf, q / PKV_ACC_ROWS, tiles);
-        pkv_block_accumulate_tile(acc + (long)q * n, n, alpha + q, p + q, ld, vrows, nt, i0,
-                                  PKV_ACC_ROWS, vecs);
-    }
-    if (pf && q < nq) pkv_block_prefetch_part(pf, tiles - 1, tiles);
-    switch (nq - q) {
-#define PKV_ACC_TAIL(w) case w: pkv_block_accumulate_tile(acc + (long)q * n, n, alpha + q, \
-                                    p + q, ld, vrows, nt, i0, w, vecs); break;
-    PKV_ACC_TAIL(1) PKV_ACC_TAIL(2) PKV_ACC_TAIL(3)
-#if PKV_ACC_ROWS > 4
-    PKV_ACC_TAIL(4) PKV_ACC_TAIL(5)
-#endif
-#if PKV_ACC_ROWS > 6
-    PKV_ACC_TAIL(6) PKV_ACC_TAIL(7)
-#endif
-#undef PKV_ACC_TAIL
-    default: break;
-    }
+    for (int j = 0; j < cols; j++)
+        for (int v = 0; v < PKV_TILE_VECS; v++)
+            *(pkv_vec *)(acc + (long)(i0 + j) * ld + v * PKV_LANES) = a[j][v];
 }
 #endif
 
-/* The prefetches go with the first column tile's query tiles. */
-PKV_INLINE void pkv_block_accumulate_any(float *restrict acc, int nq, const float *restrict alpha,
-                                         const float *restrict p, int ld,
+/* The prefetches go with the first query tile's column tiles. */
+PKV_INLINE void pkv_block_accumulate_any(float *restrict acc, int ld, const float *restrict alpha,
+                                         const float *restrict p,
                                          const float *const *restrict vrows, int nt, int n,
                                          const pkv_block_prefetch *pf) {
-    int i0 = 0;
 #if PKV_VECTOR
-    for (; i0 + PKV_ACC_VECS * PKV_LANES <= n; i0 += PKV_ACC_VECS * PKV_LANES)
-        pkv_block_accumulate_columns(acc, nq, n, alpha, p, ld, vrows, nt, i0, PKV_ACC_VECS,
-                                     i0 == 0 ? pf : NULL);
-#if PKV_ACC_VECS > 1
-    for (; i0 + PKV_LANES <= n; i0 += PKV_LANES)
-        pkv_block_accumulate_columns(acc, nq, n, alpha, p, ld, vrows, nt, i0, 1,
-                                     i0 == 0 ? pf : NULL);
-#endif
-#endif
-    if (i0 == 0) pkv_block_prefetch_part(pf, 0, 1);   /* no vector column at all */
-    for (int q = 0; q < nq; q++)
-        for (int i = i0; i < n; i++) {
-            float a = acc[(long)q * n + i] * alpha[q];
-            for (int t = 0; t < nt; t++) a += p[(long)t * ld + q] * vrows[t][i];
-            acc[(long)q * n + i] = a;
+    const int tiles = (n + PKV_TILE_COLS - 1) / PKV_TILE_COLS;
+    for (int q0 = 0; q0 < ld; q0 += PKV_QUERY_TILE) {
+        int i = 0;
+        for (; i + PKV_TILE_COLS <= n; i += PKV_TILE_COLS) {
+            if (q0 == 0) pkv_block_prefetch_part(pf, i / PKV_TILE_COLS, tiles);
+            pkv_block_accumulate_tile(acc + q0, ld, alpha + q0, p + q0, vrows, nt, i,
+                                      PKV_TILE_COLS);
         }
+        if (q0 == 0 && i < n) pkv_block_prefetch_part(pf, tiles - 1, tiles);
+        switch (n - i) {
+#define PKV_ACC_TAIL(w) case w: pkv_block_accumulate_tile(acc + q0, ld, alpha + q0, p + q0, \
+                                    vrows, nt, i, w); break;
+        PKV_ACC_TAIL(1) PKV_ACC_TAIL(2) PKV_ACC_TAIL(3)
+#if PKV_TILE_COLS > 4
+        PKV_ACC_TAIL(4) PKV_ACC_TAIL(5)
+#endif
+#if PKV_TILE_COLS > 6
+        PKV_ACC_TAIL(6) PKV_ACC_TAIL(7)
+#endif
+#undef PKV_ACC_TAIL
+        default: break;
+        }
+    }
+#else
+    (void)pf;
+    for (int i = 0; i < n; i++)
+        for (int q = 0; q < ld; q++) {
+            float a = acc[(long)i * ld + q] * alpha[q];
+            for (int t = 0; t < nt; t++) a += p[(long)t * ld + q] * vrows[t][i];
+            acc[(long)i * ld + q] = a;
+        }
+#endif
 }
 
 /* Entry points, specialised for common head sizes (as in pkv_simd.h). */
@@ -264,10 +240,9 @@ PKV_NOINLINE void pkv_block_scores(const float *qt, int ld, const float *const *
                                    int n, float *s, const pkv_block_prefetch *pf) {
     PKV_WITH_HEAD_DIM(PKV_BLOCK_SCORES_CALL)
 }
-#define PKV_BLOCK_ACCUMULATE_CALL(N) \
-    pkv_block_accumulate_any(acc, nq, alpha, p, ld, vrows, nt, N, pf)
-PKV_NOINLINE void pkv_block_accumulate(float *acc, int nq, const float *alpha, const float *p,
-                                       int ld, const float *const *vrows, int nt, int n,
+#define PKV_BLOCK_ACCUMULATE_CALL(N) pkv_block_accumulate_any(acc, ld, alpha, p, vrows, nt, N, pf)
+PKV_NOINLINE void pkv_block_accumulate(float *acc, int ld, const float *alpha, const float *p,
+                                       const float *const *vrows, int nt, int n,
                                        const pkv_block_prefetch *pf) {
     PKV_WITH_HEAD_DIM(PKV_BLOCK_ACCUMULATE_CALL)
 }
