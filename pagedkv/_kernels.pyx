@@ -192,6 +192,13 @@ def gather(storage_t[:, :, :, ::1] pool, const float[:, :, ::1] scales,
 # block by log-sum-exp, adds the sinks and normalises.
 
 
+def aligned_empty(Py_ssize_t n):
+    """An uninitialised float32 array of ``n`` values that starts on a 64-byte boundary."""
+    buf = np.empty(n + 16, dtype=np.float32)
+    cdef Py_ssize_t skip = (-buf.ctypes.data % 64) // 4
+    return buf[skip:skip + n]
+
+
 cdef inline int padded_queries(int nq) noexcept nogil:
     return (nq + 3) // 4 * 4
 
@@ -434,14 +441,16 @@ cdef void attend_item_blocks(const float[:, :, ::1] q,
                            v_next, NULL)
                 during_scores = pkv_block_prefetch(k_next, next_nt, row_bytes)
                 during_sum = pkv_block_prefetch(v_next, next_nt, row_bytes)
-            for qi in range(ld):
-                lo = 0
-                hi = 0
-                if qi < nq:
-                    lo = min(max(band_lo + qi // group - blk0, 0), nt)
-                    hi = min(max(band_hi + qi // group - blk0, lo), nt)
-                lo_t[qi] = <int32_t>lo
-                hi_t[qi] = <int32_t>hi
+            # the band of each query (row r's queries: r * group : (r + 1) * group)
+            for x in range(row1 - row0):
+                lo = min(max(band_lo + x - blk0, 0), nt)
+                hi = min(max(band_hi + x - blk0, lo), nt)
+                for qi in range(x * group, (x + 1) * group):
+                    lo_t[qi] = <int32_t>lo
+                    hi_t[qi] = <int32_t>hi
+            for qi in range(nq, ld):
+                lo_t[qi] = 0
+                hi_t[qi] = 0
             pkv_block_scores(qt, ld, krows, nt, D, s, &during_scores)
             pkv_block_softmax(s, ld, nt, nq, lo_t, hi_t, soft_cap, m, l, alpha, tmp)
             pkv_block_accumulate(acc_t, ld, alpha, s, vrows, nt, D, &during_sum)
@@ -502,9 +511,11 @@ def paged_attention(const float[:, :, ::1] q,
     cdef float[:, ::1] run_max = max_buf, run_sum = sum_buf
     # one scratch row per thread: scaled queries, scores and softmax rescales
     # (and, on the block path, K/V row pointers)
-    scratch_buf = np.empty((num_threads, scratch_floats(max_rows_per_item * group,
-                                                        heads_per_item, D, ps)),
-                           dtype=np.float32)
+    # rows of whole cache lines, from a cache-line boundary: the block path's
+    # rows of queries are then whole lines (vector loads never straddle two)
+    cdef Py_ssize_t row_floats = (scratch_floats(max_rows_per_item * group, heads_per_item,
+                                                 D, ps) + 15) // 16 * 16
+    scratch_buf = aligned_empty(num_threads * row_floats).reshape(num_threads, row_floats)
     cdef float[:, ::1] scratch = scratch_buf
     rows_buf = np.empty((num_threads, 5 * PKV_BLOCK_KEYS), dtype=np.intp)
     cdef Py_ssize_t[:, ::1] rows = rows_buf
