@@ -45,21 +45,22 @@ cdef extern from "pkv_simd.h" nogil:
 cdef extern from "pkv_block.h" nogil:
     enum:
         PKV_BLOCK_KEYS, PKV_BLOCK_MIN_QUERIES
-    int pkv_block_ld(int nq)
     ctypedef struct pkv_block_prefetch:
         const void* const* rows
         int num_rows
         long row_bytes
-    void pkv_block_scores(const float* qt, int ld, const float* const* krows, int nt, int n,
-                          float* s, const pkv_block_prefetch* pf)
-    void pkv_block_softmax(float* s, int ld, int nt, int nq, const int32_t* lo,
+    int pkv_block_queries(int nq)
+    int pkv_block_stride(int n)
+    void pkv_block_scores(const float* qt, int ld, int nqp, const float* const* krows, int nt,
+                          int n, float* s, const pkv_block_prefetch* pf)
+    void pkv_block_softmax(float* s, int ld, int nqp, int nt, int nq, const int32_t* lo,
                            const int32_t* hi, float soft_cap, float* run_max, float* run_sum,
                            float* alpha, float* tmp)
-    void pkv_block_accumulate(float* acc, int ld, const float* alpha, const float* p,
-                              const float* const* vrows, int nt, int n,
+    void pkv_block_accumulate(float* acc, int ld, int nqp, const float* alpha, const float* p,
+                              const float* v, int vs, int nt, int n,
                               const pkv_block_prefetch* pf)
     void pkv_block_rows(const void* x, int kind, int nrows, int n, const float* scales,
-                        float* out)
+                        float* out, int stride)
 
 cdef extern from "pkv_storage.h" nogil:
     enum:
@@ -217,7 +218,7 @@ cdef void attend_item(const float[:, :, ::1] q,
     ``run_sum`` [heads_per_item * nq4], head-major, where nq = rows * group
     queries per head are padded to nq4, a multiple of 4, with zero queries:
     the vector primitives then always work on four queries at once.
-    ``scratch`` holds ``scratch_floats`` floats and ``rows`` 5 * PKV_BLOCK_KEYS
+    ``scratch`` holds ``scratch_floats`` floats and ``rows`` 2 * PKV_BLOCK_KEYS
     pointers.  Items of PKV_BLOCK_MIN_QUERIES queries per head or more take
     the block path (``attend_item_blocks``); the others go page by page.
     int8: the queries are rotated like the stored rows (so q.k is unchanged),
@@ -318,39 +319,40 @@ cdef inline int storage_kind(storage_t* dummy) noexcept nogil:
 cdef inline Py_ssize_t scratch_floats(int nq_max, int heads_per_item, int D,
                                       int ps) noexcept nogil:
     """Floats of one thread's scratch for items of up to ``nq_max`` queries per head."""
-    cdef int nq4 = padded_queries(nq_max), ld = pkv_block_ld(nq_max)
+    cdef int nq4 = padded_queries(nq_max)
+    cdef int nqp = pkv_block_queries(nq_max), ld = pkv_block_stride(nqp)
     cdef Py_ssize_t pages = heads_per_item * nq4 * D + nq4 * (ps + 1)
-    # qt, s, acc, the softmax's five arrays and lo/hi, float32 K and V rows
-    cdef Py_ssize_t blocks = (2 * D + PKV_BLOCK_KEYS + 7) * ld + 2 * PKV_BLOCK_KEYS * D
+    # qt, acc, s (ld floats a row), the softmax's five arrays and lo/hi (nqp
+    # each), the block's K and V rows, and a query row
+    cdef Py_ssize_t blocks = ((2 * D + PKV_BLOCK_KEYS) * ld + 7 * nqp
+                              + 2 * PKV_BLOCK_KEYS * pkv_block_stride(D) + D)
     return max(pages, blocks) if nq_max >= PKV_BLOCK_MIN_QUERIES else pages
 
 
 cdef void block_rows(storage_t[:, :, :, ::1] pool, const float[:, :, ::1] scales,
-                     const int32_t* pages, int h, int64_t key0, int nt, float* buf,
-                     const void** raw, const float** rows) noexcept nogil:
-    """Keys ``key0 + t`` (t < nt) of KV head ``h``: ``raw[t]``, the row in the
-    pool, and, unless ``rows`` is NULL, ``rows[t]``, the row as float32: the
-    pool's own for float32, else converted into ``buf`` [nt, D] (int8: times
-    the row scales)."""
+                     const int32_t* pages, int h, int64_t key0, int nt, const void** raw,
+                     float* out, const float** rows) noexcept nogil:
+    """Keys ``key0 + t`` (t < nt) of KV head ``h``: ``raw[t]`` = the row in the pool
+    (unless ``raw`` is NULL), and, unless ``out`` is NULL, the rows as float32 in
+    ``out`` [nt, pkv_block_stride(D)] (int8: times the row scales)."""
     cdef int D = pool.shape[3], ps = pool.shape[2], t = 0, nrun, off, x
+    cdef int stride = pkv_block_stride(D)
     cdef int32_t page
     cdef storage_t* dummy = NULL
     while t < nt:
         page = pages[(key0 + t) // ps]
         off = (key0 + t) % ps
         nrun = min(ps - off, nt - t)
-        for x in range(nrun):
-            raw[t + x] = &pool[page, h, off + x, 0]
-        if rows != NULL:
-            if storage_t is float:
-                for x in range(nrun):
-                    rows[t + x] = &pool[page, h, off + x, 0]
-            else:
-                pkv_block_rows(&pool[page, h, off, 0], storage_kind(dummy), nrun, D,
-                               &scales[page, h, off] if storage_t is int8_t else NULL,
-                               buf + t * D)
-                for x in range(nrun):
-                    rows[t + x] = buf + (t + x) * D
+        if raw != NULL:
+            for x in range(nrun):
+                raw[t + x] = &pool[page, h, off + x, 0]
+        if out != NULL and rows != NULL:
+            for x in range(nrun):
+                rows[t + x] = <const float*>raw[t + x] if storage_t is float else out + (t + x) * stride
+        if out != NULL and (rows == NULL or storage_t is not float):
+            pkv_block_rows(&pool[page, h, off, 0], storage_kind(dummy), nrun, D,
+                           &scales[page, h, off] if storage_t is int8_t else NULL,
+                           out + t * stride, stride)
         t = t + nrun
 
 
@@ -365,12 +367,11 @@ cdef void attend_item_blocks(const float[:, :, ::1] q,
     """``attend_item`` for items of many queries: keys by blocks of PKV_BLOCK_KEYS.
 
     Per KV head: the queries transposed and scaled (int8: rotated), then per
-    block the scores, one online-softmax step and the weighted sum of the
-    values (``pkv_block.h``), into transposed accumulators copied out at the
-    end.  While the scores run, the block's value rows
-    are prefetched (float32; other formats: the next block's keys), and while
-    the values are summed, the next block's keys (other formats: values).
-    Leaves what ``attend_item`` leaves.
+    block the keys copied out of the pool, the scores, the values copied
+    out, one online-softmax step and the weighted sum of the values
+    (``pkv_block.h``), into transposed accumulators copied out at the end.
+    The scores prefetch the block's values, the weighted sum the next
+    block's keys.  Leaves what ``attend_item`` leaves.
     """
     cdef int b = item[PKV_W_SEQ], h0 = item[PKV_W_KV_HEAD]
     cdef int row0 = item[PKV_W_ROW0], row1 = item[PKV_W_ROW1]
@@ -378,29 +379,28 @@ cdef void attend_item_blocks(const float[:, :, ::1] q,
     cdef int64_t band_lo = item[PKV_W_BAND_LO], band_hi = item[PKV_W_BAND_HI]
     cdef int D = q.shape[2], group = q.shape[1] // k_pool.shape[1]
     cdef int nq = (row1 - row0) * group
-    cdef int nq4 = padded_queries(nq), ld = pkv_block_ld(nq)
-    cdef int qi, x, hh, d, nt, next_nt, blk0
+    cdef int nq4 = padded_queries(nq), nqp = pkv_block_queries(nq)
+    cdef int ld = pkv_block_stride(nqp), ks = pkv_block_stride(D)
+    cdef int qi, x, hh, d, nt, next_nt, next_head, blk0, next0
     cdef int64_t lo, hi
     cdef const int32_t* pages = &page_indices[page_indptr[b]]
     cdef float* qt = scratch                          # [D, ld]
     cdef float* acc_t = qt + D * ld                   # [D, ld]
     cdef float* s = acc_t + D * ld                    # [PKV_BLOCK_KEYS, ld]
-    cdef float* m = s + PKV_BLOCK_KEYS * ld           # [ld] running max
-    cdef float* l = m + ld                            # [ld] running sum
-    cdef float* alpha = l + ld                        # [ld]
-    cdef float* tmp = alpha + ld                      # [2 * ld]
-    cdef int32_t* lo_t = <int32_t*>(tmp + 2 * ld)     # [ld] band within the block
-    cdef int32_t* hi_t = lo_t + ld                    # [ld]
-    cdef float* k_buf = <float*>(hi_t + ld)           # [PKV_BLOCK_KEYS, D]
-    cdef float* v_buf = k_buf + PKV_BLOCK_KEYS * D    # [PKV_BLOCK_KEYS, D]
-    # row pointers, PKV_BLOCK_KEYS each: this block's keys and values as
-    # float32, the pool rows of the next block's keys and values, and (float32,
-    # whose rows are the pool's) this block's pool rows
-    cdef const float** krows = <const float**>rows
-    cdef const float** vrows = krows + PKV_BLOCK_KEYS
-    cdef const void** k_next = rows + 2 * PKV_BLOCK_KEYS
-    cdef const void** v_next = rows + 3 * PKV_BLOCK_KEYS
-    cdef const void** here = rows + 4 * PKV_BLOCK_KEYS
+    cdef float* m = s + PKV_BLOCK_KEYS * ld           # [nqp] running max
+    cdef float* l = m + nqp                           # [nqp] running sum
+    cdef float* alpha = l + nqp                       # [nqp]
+    cdef float* tmp = alpha + nqp                     # [2 * nqp]
+    cdef int32_t* lo_t = <int32_t*>(tmp + 2 * nqp)    # [nqp] band within the block
+    cdef int32_t* hi_t = lo_t + nqp                   # [nqp]
+    cdef float* k_buf = <float*>(hi_t + nqp)          # [PKV_BLOCK_KEYS, ks]
+    cdef float* v_buf = k_buf + PKV_BLOCK_KEYS * ks   # [PKV_BLOCK_KEYS, ks]
+    cdef float* q_row = v_buf + PKV_BLOCK_KEYS * ks   # [D]
+    # pool rows to prefetch: this block's values, the next block's keys
+    cdef const void** v_rows = rows
+    cdef const void** k_next = rows + PKV_BLOCK_KEYS
+    cdef const void** k_raw = rows + 2 * PKV_BLOCK_KEYS
+    cdef const float** krows = <const float**>(rows + 3 * PKV_BLOCK_KEYS)
     cdef pkv_block_prefetch during_scores, during_sum
     cdef long row_bytes = D * sizeof(storage_t)
     cdef const float* qv
@@ -408,39 +408,39 @@ cdef void attend_item_blocks(const float[:, :, ::1] q,
 
     for hh in range(heads_per_item):
         head_acc = acc + hh * nq4 * D
-        for qi in range(ld):
+        for qi in range(nqp):
             if qi < nq:
                 qv = &q[row0 + qi // group, (h0 + hh) * group + qi % group, 0]
                 for d in range(D):
-                    k_buf[d] = qv[d] * scale
+                    q_row[d] = qv[d] * scale
                 if storage_t is int8_t:
-                    pkv_rotate(k_buf, D, rotation_block, rotation_scale)
+                    pkv_rotate(q_row, D, rotation_block, rotation_scale)
                 for d in range(D):
-                    qt[d * ld + qi] = k_buf[d]
+                    qt[d * ld + qi] = q_row[d]
             else:
                 for d in range(D):
                     qt[d * ld + qi] = 0.0
             m[qi] = -INFINITY
             l[qi] = 0.0
-        for x in range(D * ld):
-            acc_t[x] = 0.0
+        for d in range(D):
+            for qi in range(nqp):
+                acc_t[d * ld + qi] = 0.0
 
         blk0 = key0
         while blk0 < key1:
             nt = min(PKV_BLOCK_KEYS, key1 - blk0)
-            next_nt = min(PKV_BLOCK_KEYS, key1 - blk0 - nt)
-            block_rows(k_pool, k_scales, pages, h0 + hh, blk0, nt, k_buf, here, krows)
-            block_rows(v_pool, v_scales, pages, h0 + hh, blk0, nt, v_buf, here, vrows)
-            block_rows(k_pool, k_scales, pages, h0 + hh, blk0 + nt, next_nt, k_buf, k_next,
-                       NULL)
-            if storage_t is float:
-                during_scores = pkv_block_prefetch(<const void**>vrows, nt, row_bytes)
-                during_sum = pkv_block_prefetch(k_next, next_nt, row_bytes)
-            else:
-                block_rows(v_pool, v_scales, pages, h0 + hh, blk0 + nt, next_nt, v_buf,
-                           v_next, NULL)
-                during_scores = pkv_block_prefetch(k_next, next_nt, row_bytes)
-                during_sum = pkv_block_prefetch(v_next, next_nt, row_bytes)
+            # the block after this one: of this head, else the next head's first
+            next0 = blk0 + nt
+            next_head = h0 + hh
+            if next0 >= key1:
+                next0 = key0
+                next_head = next_head + 1 if hh + 1 < heads_per_item else -1
+            next_nt = min(PKV_BLOCK_KEYS, key1 - next0) if next_head >= 0 else 0
+            block_rows(k_pool, k_scales, pages, h0 + hh, blk0, nt, k_raw, k_buf, krows)
+            block_rows(v_pool, v_scales, pages, h0 + hh, blk0, nt, v_rows, NULL, NULL)
+            block_rows(k_pool, k_scales, pages, next_head, next0, next_nt, k_next, NULL, NULL)
+            during_scores = pkv_block_prefetch(v_rows, nt, row_bytes)
+            during_sum = pkv_block_prefetch(k_next, next_nt, row_bytes)
             # the band of each query (row r's queries: r * group : (r + 1) * group)
             for x in range(row1 - row0):
                 lo = min(max(band_lo + x - blk0, 0), nt)
@@ -448,12 +448,13 @@ cdef void attend_item_blocks(const float[:, :, ::1] q,
                 for qi in range(x * group, (x + 1) * group):
                     lo_t[qi] = <int32_t>lo
                     hi_t[qi] = <int32_t>hi
-            for qi in range(nq, ld):
+            for qi in range(nq, nqp):
                 lo_t[qi] = 0
                 hi_t[qi] = 0
-            pkv_block_scores(qt, ld, krows, nt, D, s, &during_scores)
-            pkv_block_softmax(s, ld, nt, nq, lo_t, hi_t, soft_cap, m, l, alpha, tmp)
-            pkv_block_accumulate(acc_t, ld, alpha, s, vrows, nt, D, &during_sum)
+            pkv_block_scores(qt, ld, nqp, krows, nt, D, s, &during_scores)
+            block_rows(v_pool, v_scales, pages, h0 + hh, blk0, nt, NULL, v_buf, NULL)
+            pkv_block_softmax(s, ld, nqp, nt, nq, lo_t, hi_t, soft_cap, m, l, alpha, tmp)
+            pkv_block_accumulate(acc_t, ld, nqp, alpha, s, v_buf, ks, nt, D, &during_sum)
             blk0 = blk0 + nt
 
         for qi in range(nq4):
@@ -517,7 +518,7 @@ def paged_attention(const float[:, :, ::1] q,
                                                  D, ps) + 15) // 16 * 16
     scratch_buf = aligned_empty(num_threads * row_floats).reshape(num_threads, row_floats)
     cdef float[:, ::1] scratch = scratch_buf
-    rows_buf = np.empty((num_threads, 5 * PKV_BLOCK_KEYS), dtype=np.intp)
+    rows_buf = np.empty((num_threads, 4 * PKV_BLOCK_KEYS), dtype=np.intp)
     cdef Py_ssize_t[:, ::1] rows = rows_buf
     cdef const float* sink_ptr = &sinks[0] if sinks is not None else NULL
     cdef Py_ssize_t w, m

@@ -10,7 +10,7 @@
  * accumulator tile in registers across every key of the block.
  *
  * Everything per query is transposed, for one KV head of an item with nq
- * queries padded to ld (a multiple of PKV_QUERY_TILE) with zero queries:
+ * queries padded to nqp (a multiple of PKV_QUERY_TILE) with zero queries:
  *   qt  [n][ld]     the scaled queries
  *   s   [keys][ld]  scores, then weights
  *   acc [n][ld]     the unnormalised outputs
@@ -24,10 +24,15 @@
  * vector is a pair of SSE registers.  Queries outermost: a query tile's rows
  * of qt or s stay in L1 while its tiles pass along them.
  *
- * Key and value rows are passed as one pointer per key, so that a block
- * spans pages; float32 pools are read in place, the other formats are
- * converted to float32 rows once per block (pkv_block_rows), one pass over
- * the block against ld multiply-adds per element.
+ * A block's keys and values are copied (float16 and int8: converted) into
+ * k [keys][ks] and v [keys][ks], one pass over the block against nqp
+ * multiply-adds per element.  In the pool, a KV head's rows lie at strides
+ * of 512 bytes (head_dim 128) within a page and of a multiple of 4 KiB
+ * between pages, so that the value rows P V walks at one column map onto an
+ * eighth of L1's sets, and every page of a head onto the same eighth of
+ * L2's: read in place they thrashed both.  Every row stride here (ld, ks) is
+ * an odd number of cache lines (pkv_block_stride), which spreads rows over
+ * all the sets.
  */
 #ifndef PKV_BLOCK_H
 #define PKV_BLOCK_H
@@ -94,9 +99,15 @@ PKV_INLINE void pkv_block_prefetch_part(const pkv_block_prefetch *pf, int part, 
 #endif
 }
 
-/* The row length ld of qt and s for nq queries. */
-static inline int pkv_block_ld(int nq) {
+/* nqp: the queries an item's nq round up to. */
+static inline int pkv_block_queries(int nq) {
     return (nq + PKV_QUERY_TILE - 1) / PKV_QUERY_TILE * PKV_QUERY_TILE;
+}
+
+/* The row stride, in floats, of rows of n floats: whole cache lines, an odd
+ * number of them (see the top of this file). */
+static inline int pkv_block_stride(int n) {
+    return ((n + 15) / 16 | 1) * 16;
 }
 
 /* -- scores: s[t][q] = dot(query q, key t) ---------------------------------- */
@@ -131,13 +142,14 @@ PKV_INLINE void pkv_block_scores_tile(const float *restrict qt, int ld,
 }
 #endif
 
-/* The prefetches go with the first query tile's key tiles. */
-PKV_INLINE void pkv_block_scores_any(const float *restrict qt, int ld,
+/* s[t * ld + q] = dot(qt[. * ld + q], krows[t]) for t < nt, q < nqp.  The
+ * prefetches go with the first query tile's key tiles. */
+PKV_INLINE void pkv_block_scores_any(const float *restrict qt, int ld, int nqp,
                                      const float *const *restrict krows, int nt, int n,
                                      float *restrict s, const pkv_block_prefetch *pf) {
 #if PKV_VECTOR
     const int tiles = (nt + PKV_TILE_COLS - 1) / PKV_TILE_COLS;
-    for (int q0 = 0; q0 < ld; q0 += PKV_QUERY_TILE) {
+    for (int q0 = 0; q0 < nqp; q0 += PKV_QUERY_TILE) {
         int t = 0;
         for (; t + PKV_TILE_COLS <= nt; t += PKV_TILE_COLS) {
             if (q0 == 0) pkv_block_prefetch_part(pf, t / PKV_TILE_COLS, tiles);
@@ -163,7 +175,7 @@ PKV_INLINE void pkv_block_scores_any(const float *restrict qt, int ld,
 #else
     (void)pf;
     for (int t = 0; t < nt; t++)
-        for (int q = 0; q < ld; q++) {
+        for (int q = 0; q < nqp; q++) {
             float dot = 0.0f;
             for (int i = 0; i < n; i++) dot += qt[(long)i * ld + q] * krows[t][i];
             s[(long)t * ld + q] = dot;
@@ -179,7 +191,7 @@ PKV_INLINE void pkv_block_scores_any(const float *restrict qt, int ld,
 PKV_INLINE void pkv_block_accumulate_tile(float *restrict acc, int ld,
                                           const float *restrict alpha,
                                           const float *restrict p,
-                                          const float *const *restrict vrows, int nt, int i0,
+                                          const float *restrict values, int vs, int nt, int i0,
                                           int cols) {
     pkv_vec a[PKV_TILE_COLS][PKV_TILE_VECS];
     for (int v = 0; v < PKV_TILE_VECS; v++) {
@@ -188,7 +200,7 @@ PKV_INLINE void pkv_block_accumulate_tile(float *restrict acc, int ld,
             a[j][v] = *(const pkv_vec *)(acc + (long)(i0 + j) * ld + v * PKV_LANES) * rescale;
     }
     for (int t = 0; t < nt; t++) {
-        const float *x = vrows[t] + i0;
+        const float *x = values + (long)t * vs + i0;
         pkv_vec pv[PKV_TILE_VECS];
         for (int v = 0; v < PKV_TILE_VECS; v++) {
             pv[v] = *(const pkv_vec *)(p + (long)t * ld + v * PKV_LANES);
@@ -205,10 +217,12 @@ PKV_INLINE void pkv_block_accumulate_tile(float *restrict acc, int ld,
 }
 #endif
 
-/* The prefetches go with the first query tile's column tiles. */
-PKV_INLINE void pkv_block_accumulate_any(float *restrict acc, int ld, const float *restrict alpha,
-                                         const float *restrict p,
-                                         const float *const *restrict vrows, int nt, int n,
+/* acc[i * ld + q] = alpha[q] * acc[i * ld + q] + sum over t < nt of
+ * p[t * ld + q] * v[t * vs + i], for i < n, q < nqp.  The prefetches go with
+ * the first query tile's column tiles. */
+PKV_INLINE void pkv_block_accumulate_any(float *restrict acc, int ld, int nqp,
+                                         const float *restrict alpha, const float *restrict p,
+                                         const float *restrict v, int vs, int nt, int n,
                                          const pkv_block_prefetch *pf) {
 #if PKV_VECTOR
     const int tiles = (n + PKV_TILE_COLS - 1) / PKV_TILE_COLS;
@@ -218,11 +232,11 @@ PKV_INLINE void pkv_block_accumulate_any(float *restrict acc, int ld, const floa
     const int rest = n % PKV_TILE_COLS;
     const int split = rest > 0 && rest < PKV_TILE_COLS / 2 && n > PKV_TILE_COLS;
     const int full_end = (n / PKV_TILE_COLS - split) * PKV_TILE_COLS;
-    for (int q0 = 0; q0 < ld; q0 += PKV_QUERY_TILE) {
+    for (int q0 = 0; q0 < nqp; q0 += PKV_QUERY_TILE) {
         int i = 0;
         for (; i < full_end; i += PKV_TILE_COLS) {
             if (q0 == 0) pkv_block_prefetch_part(pf, i / PKV_TILE_COLS, tiles);
-            pkv_block_accumulate_tile(acc + q0, ld, alpha + q0, p + q0, vrows, nt, i,
+            pkv_block_accumulate_tile(acc + q0, ld, alpha + q0, p + q0, v, vs, nt, i,
                                       PKV_TILE_COLS);
         }
         for (int part = full_end / PKV_TILE_COLS; q0 == 0 && part < tiles; part++)
@@ -231,7 +245,7 @@ PKV_INLINE void pkv_block_accumulate_any(float *restrict acc, int ld, const floa
             const int half = (PKV_TILE_COLS + rest) / 2;
             switch (half) {
 #define PKV_ACC_HALF(w) case w: pkv_block_accumulate_tile(acc + q0, ld, alpha + q0, p + q0, \
-                                    vrows, nt, i, w); break;
+                                    v, vs, nt, i, w); break;
             PKV_ACC_HALF(2) PKV_ACC_HALF(3) PKV_ACC_HALF(4)
 #if PKV_TILE_COLS > 4
             PKV_ACC_HALF(5)
@@ -243,7 +257,7 @@ PKV_INLINE void pkv_block_accumulate_any(float *restrict acc, int ld, const floa
         }
         switch (n - i) {
 #define PKV_ACC_TAIL(w) case w: pkv_block_accumulate_tile(acc + q0, ld, alpha + q0, p + q0, \
-                                    vrows, nt, i, w); break;
+                                    v, vs, nt, i, w); break;
         PKV_ACC_TAIL(1) PKV_ACC_TAIL(2) PKV_ACC_TAIL(3)
 #if PKV_TILE_COLS > 4
         PKV_ACC_TAIL(4) PKV_ACC_TAIL(5)
@@ -258,48 +272,49 @@ PKV_INLINE void pkv_block_accumulate_any(float *restrict acc, int ld, const floa
 #else
     (void)pf;
     for (int i = 0; i < n; i++)
-        for (int q = 0; q < ld; q++) {
+        for (int q = 0; q < nqp; q++) {
             float a = acc[(long)i * ld + q] * alpha[q];
-            for (int t = 0; t < nt; t++) a += p[(long)t * ld + q] * vrows[t][i];
+            for (int t = 0; t < nt; t++) a += p[(long)t * ld + q] * v[(long)t * vs + i];
             acc[(long)i * ld + q] = a;
         }
 #endif
 }
 
 /* Entry points, specialised for common head sizes (as in pkv_simd.h). */
-#define PKV_BLOCK_SCORES_CALL(N) pkv_block_scores_any(qt, ld, krows, nt, N, s, pf)
-PKV_NOINLINE void pkv_block_scores(const float *qt, int ld, const float *const *krows, int nt,
-                                   int n, float *s, const pkv_block_prefetch *pf) {
+#define PKV_BLOCK_SCORES_CALL(N) pkv_block_scores_any(qt, ld, nqp, krows, nt, N, s, pf)
+PKV_NOINLINE void pkv_block_scores(const float *qt, int ld, int nqp, const float *const *krows,
+                                   int nt, int n, float *s, const pkv_block_prefetch *pf) {
     PKV_WITH_HEAD_DIM(PKV_BLOCK_SCORES_CALL)
 }
-#define PKV_BLOCK_ACCUMULATE_CALL(N) pkv_block_accumulate_any(acc, ld, alpha, p, vrows, nt, N, pf)
-PKV_NOINLINE void pkv_block_accumulate(float *acc, int ld, const float *alpha, const float *p,
-                                       const float *const *vrows, int nt, int n,
+#define PKV_BLOCK_ACCUMULATE_CALL(N) \
+    pkv_block_accumulate_any(acc, ld, nqp, alpha, p, v, vs, nt, N, pf)
+PKV_NOINLINE void pkv_block_accumulate(float *acc, int ld, int nqp, const float *alpha,
+                                       const float *p, const float *v, int vs, int nt, int n,
                                        const pkv_block_prefetch *pf) {
     PKV_WITH_HEAD_DIM(PKV_BLOCK_ACCUMULATE_CALL)
 }
 
 /* -- online softmax over a block ------------------------------------------- */
 
-/* One block of online softmax for queries 0 : ld (see the layouts above).
+/* One block of online softmax for queries 0 : nqp (see the layouts above).
  *
  * s[t * ld + q], t < nt: the block's logits in, the weights out.  Query q
  * sees the keys t in [lo[q], hi[q]) (0 <= lo <= hi <= nt; lo = hi = 0 for a
  * padding query); soft_cap > 0 caps the logits first.  Weights of keys a
- * query does not see are zero.  run_max, run_sum [ld]: the running max and
- * sum; alpha [ld] receives exp(old max - new max), the factor that rescales
- * query q's accumulator (1 while a query has seen no key).  tmp: 2 * ld
- * floats.  The loops run along queries, in vectors. */
-static void pkv_block_softmax(float *restrict s, int ld, int nt, int nq,
+ * query does not see are zero.  run_max, run_sum [nqp]: the running max and
+ * sum; alpha [nqp] receives exp(old max - new max), the factor that
+ * rescales query q's accumulator (1 while a query has seen no key).  tmp:
+ * 2 * nqp floats.  The loops run along queries, in vectors. */
+static void pkv_block_softmax(float *restrict s, int ld, int nqp, int nt, int nq,
                               const int32_t *restrict lo, const int32_t *restrict hi,
                               float soft_cap, float *restrict run_max, float *restrict run_sum,
                               float *restrict alpha, float *restrict tmp) {
-    float *restrict m = tmp, *restrict sum = tmp + ld;
+    float *restrict m = tmp, *restrict sum = tmp + nqp;
     int banded = 0;
     for (int q = 0; q < nq; q++) banded |= lo[q] != 0 || hi[q] != nt;
     if (soft_cap > 0.0f)
-        for (int t = 0; t < nt; t++) pkv_soft_cap(s + (long)t * ld, ld, soft_cap);
-    for (int q = 0; q < ld; q++) {
+        for (int t = 0; t < nt; t++) pkv_soft_cap(s + (long)t * ld, nqp, soft_cap);
+    for (int q = 0; q < nqp; q++) {
         m[q] = run_max[q];
         sum[q] = 0.0f;
     }
@@ -309,18 +324,18 @@ static void pkv_block_softmax(float *restrict s, int ld, int nt, int nq,
         for (int t = 0; t < nt; t++) {
             const float *row = s + (long)t * ld;
             #pragma omp simd
-            for (int q = 0; q < ld; q++) m[q] = row[q] > m[q] ? row[q] : m[q];
+            for (int q = 0; q < nqp; q++) m[q] = row[q] > m[q] ? row[q] : m[q];
         }
     } else {
         for (int t = 0; t < nt; t++) {
             const float *row = s + (long)t * ld;
             #pragma omp simd
-            for (int q = 0; q < ld; q++)
+            for (int q = 0; q < nqp; q++)
                 m[q] = t >= lo[q] && t < hi[q] && row[q] > m[q] ? row[q] : m[q];
         }
     }
     #pragma omp simd
-    for (int q = 0; q < ld; q++) {
+    for (int q = 0; q < nqp; q++) {
         /* -inf - -inf is NaN: a query that has seen no key keeps factor 1 */
         const float e = pkv_exp_nonpositive(run_max[q] - m[q]);
         alpha[q] = m[q] == -INFINITY ? 1.0f : e;
@@ -330,7 +345,7 @@ static void pkv_block_softmax(float *restrict s, int ld, int nt, int nq,
         for (int t = 0; t < nt; t++) {
             float *row = s + (long)t * ld;
             #pragma omp simd
-            for (int q = 0; q < ld; q++) {
+            for (int q = 0; q < nqp; q++) {
                 const float e = pkv_exp_nonpositive(row[q] - m[q]);
                 row[q] = e;
                 sum[q] += e;
@@ -340,7 +355,7 @@ static void pkv_block_softmax(float *restrict s, int ld, int nt, int nq,
         for (int t = 0; t < nt; t++) {
             float *row = s + (long)t * ld;
             #pragma omp simd
-            for (int q = 0; q < ld; q++) {
+            for (int q = 0; q < nqp; q++) {
                 const float e = pkv_exp_nonpositive(row[q] - m[q]);
                 const float w = t >= lo[q] && t < hi[q] ? e : 0.0f;
                 row[q] = w;
@@ -348,24 +363,25 @@ static void pkv_block_softmax(float *restrict s, int ld, int nt, int nq,
             }
         }
     }
-    for (int q = 0; q < ld; q++) run_sum[q] = run_sum[q] * alpha[q] + sum[q];
+    for (int q = 0; q < nqp; q++) run_sum[q] = run_sum[q] * alpha[q] + sum[q];
 }
 
-/* -- key and value rows of formats other than float32 ------------------------ */
+/* -- a block's key or value rows as float32 --------------------------------- */
 
-/* out[r * n : +n] = row r of x (storage `kind`), times scales[r] when scales
- * is not NULL (int8), for r < nrows. */
+/* out[r * stride : +n] = row r of x (storage `kind`, rows of n), times
+ * scales[r] when scales is not NULL (int8), for r < nrows. */
 static void pkv_block_rows(const void *x, int kind, int nrows, int n, const float *scales,
-                           float *restrict out) {
+                           float *restrict out, int stride) {
     for (int r = 0; r < nrows; r++) {
         const long base = (long)r * n;
+        float *restrict row = out + (long)r * stride;
         const float scale = scales ? scales[r] : 1.0f;
         int i = 0;
 #if PKV_VECTOR
         for (; i + PKV_LANES <= n; i += PKV_LANES)
-            *(pkv_vec *)(out + base + i) = pkv_load(x, base + i, kind) * scale;
+            *(pkv_vec *)(row + i) = pkv_load(x, base + i, kind) * scale;
 #endif
-        for (; i < n; i++) out[base + i] = pkv_load1(x, base + i, kind) * scale;
+        for (; i < n; i++) row[i] = pkv_load1(x, base + i, kind) * scale;
     }
 }
 
