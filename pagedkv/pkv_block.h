@@ -65,7 +65,7 @@
 #define PKV_QUERY_TILE (PKV_TILE_VECS * PKV_LANES)
 /* Keys per block: a whole number of score tiles, so that only an item's
  * last block has a short tile. */
-#define PKV_BLOCK_KEYS (16 * PKV_TILE_COLS)
+#define PKV_BLOCK_KEYS (8 * PKV_TILE_COLS)
 #else
 #define PKV_QUERY_TILE 1
 #define PKV_BLOCK_KEYS 64
