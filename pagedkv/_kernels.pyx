@@ -74,7 +74,7 @@ cdef extern from "pkv_quant.h" nogil:
 cdef extern from "pkv_work_item.h" nogil:
     enum:
         PKV_W_SEQ, PKV_W_KV_HEAD, PKV_W_ROW0, PKV_W_ROW1, PKV_W_KEY0, PKV_W_KEY1,
-        PKV_W_BAND_LO, PKV_W_BAND_HI, PKV_W_FIELDS
+        PKV_W_BAND_LO, PKV_W_BAND_HI, PKV_W_PART, PKV_W_FIELDS
 
 ctypedef fused storage_t:
     float
@@ -505,15 +505,22 @@ def paged_attention(const float[:, :, ::1] q,
     cdef Py_ssize_t W = items.shape[0], M = item_offsets.shape[0] - 1
     cdef int D = q.shape[2], ps = k_pool.shape[2], group = q.shape[1] // k_pool.shape[1]
     cdef int nq_max = padded_queries(max_rows_per_item * group)
-    acc_buf = np.empty((W, heads_per_item * nq_max, D), dtype=np.float32)
-    max_buf = np.empty((W, heads_per_item * nq_max), dtype=np.float32)
-    sum_buf = np.empty((W, heads_per_item * nq_max), dtype=np.float32)
+    cdef Py_ssize_t part_queries = heads_per_item * nq_max, num_parts = 0, w, m
+    if W == 0:
+        return
+    for w in range(W):
+        num_parts = max(num_parts, items[w, PKV_W_PART] + 1)
+    # partial results: of the split items, by slot (PART); an item that covers
+    # its rows' keys alone leaves its own in its thread's row and writes the
+    # output itself
+    acc_buf = np.empty((num_parts + num_threads, part_queries, D), dtype=np.float32)
+    max_buf = np.empty((num_parts + num_threads, part_queries), dtype=np.float32)
+    sum_buf = np.empty((num_parts + num_threads, part_queries), dtype=np.float32)
     cdef float[:, :, ::1] acc = acc_buf
     cdef float[:, ::1] run_max = max_buf, run_sum = sum_buf
     # one scratch row per thread: scaled queries, scores and softmax rescales
-    # (and, on the block path, K/V row pointers)
-    # rows of whole cache lines, from a cache-line boundary: the block path's
-    # rows of queries are then whole lines (vector loads never straddle two)
+    # (and, on the block path, K/V row pointers), in whole cache lines from a
+    # cache-line boundary, so that the block path's rows are whole lines
     cdef Py_ssize_t row_floats = (scratch_floats(max_rows_per_item * group, heads_per_item,
                                                  D, ps) + 15) // 16 * 16
     scratch_buf = aligned_empty(num_threads * row_floats).reshape(num_threads, row_floats)
@@ -521,39 +528,52 @@ def paged_attention(const float[:, :, ::1] q,
     rows_buf = np.empty((num_threads, 4 * PKV_BLOCK_KEYS), dtype=np.intp)
     cdef Py_ssize_t[:, ::1] rows = rows_buf
     cdef const float* sink_ptr = &sinks[0] if sinks is not None else NULL
-    cdef Py_ssize_t w, m
-    if W == 0:
-        return
+    cdef Py_ssize_t slot
     with nogil:
         for w in prange(W, schedule="dynamic", num_threads=num_threads):
+            slot = items[w, PKV_W_PART]
+            if slot < 0:
+                slot = num_parts + threadid()
             attend_item(q, k_pool, v_pool, k_scales, v_scales, page_indptr, page_indices,
                         &items[w, 0], heads_per_item, scale, soft_cap, rotation_block,
-                        rotation_scale, &acc[w, 0, 0], &run_max[w, 0], &run_sum[w, 0],
-                        &scratch[threadid(), 0], <const void**>&rows[threadid(), 0])
+                        rotation_scale, &acc[slot, 0, 0], &run_max[slot, 0],
+                        &run_sum[slot, 0], &scratch[threadid(), 0],
+                        <const void**>&rows[threadid(), 0])
+            if items[w, PKV_W_PART] < 0:
+                merge_partials(&items[0, 0], w, w + 1, group, heads_per_item, sink_ptr,
+                               rotation_block, rotation_scale, &acc[slot, 0, 0],
+                               &run_max[slot, 0], &run_sum[slot, 0], part_queries, D, out)
         for m in prange(M, schedule="static", num_threads=num_threads):
-            merge_partials(&items[0, 0], item_offsets[m], item_offsets[m + 1], group,
-                           heads_per_item, sink_ptr, rotation_block, rotation_scale, acc,
-                           run_max, run_sum, out)
+            if items[item_offsets[m], PKV_W_PART] >= 0:
+                merge_partials(&items[0, 0], item_offsets[m], item_offsets[m + 1], group,
+                               heads_per_item, sink_ptr, rotation_block, rotation_scale,
+                               &acc[0, 0, 0], &run_max[0, 0], &run_sum[0, 0], part_queries,
+                               D, out)
 
 
 cdef void merge_partials(const int32_t* items, int first, int last, int group,
                          int heads_per_item, const float* sinks, int rotation_block,
-                         float rotation_scale, float[:, :, ::1] acc,
-                         float[:, ::1] run_max, float[:, ::1] run_sum,
+                         float rotation_scale, const float* acc, const float* run_max,
+                         const float* run_sum, Py_ssize_t part_queries, int D,
                          float[:, :, ::1] out) noexcept nogil:
-    """Combine items ``first:last`` (one query block, key ranges split) into ``out``.
+    """Combine items ``first:last`` (one query block) into ``out``.
 
-    With ``sinks`` (float32 [num_heads], else NULL), head ``h``'s denominator
-    gains ``exp(sinks[h])``; everything is rescaled to the larger of the
-    logits' max and the sink, so that no exponent is positive.  With a
+    Item ``w``'s partial results are those of slot ``max(PART, 0)``: ``acc``
+    [slot, part_queries, D], ``run_max`` and ``run_sum`` [slot, part_queries]
+    (an item that is not split passes its own as slot 0).  With ``sinks``
+    (float32 [num_heads], else NULL), head ``h``'s denominator gains
+    ``exp(sinks[h])``; everything is rescaled to the larger of the logits'
+    max and the sink, so that no exponent is positive.  With a
     ``rotation_block`` (int8 rows), the output is rotated back.
     """
     cdef const int32_t* item = items + first * PKV_W_FIELDS
     cdef int h0 = item[PKV_W_KV_HEAD], row0 = item[PKV_W_ROW0], row1 = item[PKV_W_ROW1]
-    cdef int D = acc.shape[2], nq = (row1 - row0) * group, nq4 = padded_queries(nq)
+    cdef int nq = (row1 - row0) * group, nq4 = padded_queries(nq)
     cdef int x, qi, w, d, head
+    cdef Py_ssize_t part
     cdef float m, total, weight, sink
     cdef float* dst
+    cdef const float* src
     for x in range(heads_per_item * nq4):
         qi = x % nq4
         if qi >= nq:
@@ -562,7 +582,8 @@ cdef void merge_partials(const int32_t* items, int first, int last, int group,
         sink = sinks[head] if sinks != NULL else -INFINITY
         m = sink
         for w in range(first, last):
-            m = max(m, run_max[w, x])
+            part = max(items[w * PKV_W_FIELDS + PKV_W_PART], 0) * part_queries + x
+            m = max(m, run_max[part])
         dst = &out[row0 + qi // group, head, 0]
         for d in range(D):
             dst[d] = 0.0
@@ -570,10 +591,12 @@ cdef void merge_partials(const int32_t* items, int first, int last, int group,
             continue        # no key at all (cannot happen for a causal query); output 0
         total = expf(sink - m) if sinks != NULL else 0.0
         for w in range(first, last):
-            weight = expf(run_max[w, x] - m)
-            total = total + run_sum[w, x] * weight
+            part = max(items[w * PKV_W_FIELDS + PKV_W_PART], 0) * part_queries + x
+            weight = expf(run_max[part] - m)
+            total = total + run_sum[part] * weight
+            src = acc + part * D
             for d in range(D):
-                dst[d] = dst[d] + acc[w, x, d] * weight
+                dst[d] = dst[d] + src[d] * weight
         for d in range(D):
             dst[d] = dst[d] / total
         pkv_rotate(dst, D, rotation_block, rotation_scale)
