@@ -200,6 +200,10 @@ def aligned_empty(Py_ssize_t n):
     return buf[skip:skip + n]
 
 
+#: Queries per KV head from which a work item takes the block path (pkv_block.h).
+BLOCK_MIN_QUERIES = PKV_BLOCK_MIN_QUERIES
+
+
 cdef inline int padded_queries(int nq) noexcept nogil:
     return (nq + 3) // 4 * 4
 
@@ -528,9 +532,12 @@ def paged_attention(const float[:, :, ::1] q,
     rows_buf = np.empty((num_threads, 4 * PKV_BLOCK_KEYS), dtype=np.intp)
     cdef Py_ssize_t[:, ::1] rows = rows_buf
     cdef const float* sink_ptr = &sinks[0] if sinks is not None else NULL
-    cdef Py_ssize_t slot
+    cdef Py_ssize_t slot, i
     with nogil:
-        for w in prange(W, schedule="dynamic", num_threads=num_threads):
+        # last items first: those of a causal prefill's later rows, which see
+        # the most keys, so that the short ones even out the threads at the end
+        for i in prange(W, schedule="dynamic", num_threads=num_threads):
+            w = W - 1 - i
             slot = items[w, PKV_W_PART]
             if slot < 0:
                 slot = num_parts + threadid()
