@@ -42,6 +42,30 @@ cdef extern from "pkv_simd.h" nogil:
                           int64_t first_hi, int group, float soft_cap, float* run_max,
                           float* run_sum, float* alpha)
 
+cdef extern from "pkv_block.h" nogil:
+    enum:
+        PKV_BLOCK_KEYS, PKV_BLOCK_MIN_QUERIES
+    ctypedef struct pkv_block_prefetch:
+        const void* const* rows
+        int num_rows
+        long row_bytes
+    int pkv_block_queries(int nq)
+    int pkv_block_stride(int n)
+    void pkv_block_scores(const float* qt, int ld, int nqp, const float* const* krows, int nt,
+                          int n, float* s, const pkv_block_prefetch* pf)
+    void pkv_block_softmax(float* s, int ld, int nqp, int nt, int nq, const int32_t* lo,
+                           const int32_t* hi, float soft_cap, float* run_max, float* run_sum,
+                           float* alpha, float* tmp)
+    void pkv_block_accumulate(float* acc, int ld, int nqp, const float* alpha, const float* p,
+                              const float* v, int vs, int nt, int n,
+                              const pkv_block_prefetch* pf)
+    void pkv_block_rows(const void* x, int kind, int nrows, int n, const float* scales,
+                        float* out, int stride)
+
+cdef extern from "pkv_storage.h" nogil:
+    enum:
+        PKV_STORAGE_FLOAT32, PKV_STORAGE_FLOAT16, PKV_STORAGE_INT8
+
 cdef extern from "pkv_quant.h" nogil:
     void pkv_rotate(float* x, int n, int block, float scale)
     float pkv_quantize(const float* x, int n, int block, float scale, int8_t* q, float* tmp)
@@ -50,7 +74,7 @@ cdef extern from "pkv_quant.h" nogil:
 cdef extern from "pkv_work_item.h" nogil:
     enum:
         PKV_W_SEQ, PKV_W_KV_HEAD, PKV_W_ROW0, PKV_W_ROW1, PKV_W_KEY0, PKV_W_KEY1,
-        PKV_W_BAND_LO, PKV_W_BAND_HI, PKV_W_FIELDS
+        PKV_W_BAND_LO, PKV_W_BAND_HI, PKV_W_PART, PKV_W_FIELDS
 
 ctypedef fused storage_t:
     float
@@ -169,6 +193,17 @@ def gather(storage_t[:, :, :, ::1] pool, const float[:, :, ::1] scales,
 # block by log-sum-exp, adds the sinks and normalises.
 
 
+def aligned_empty(Py_ssize_t n):
+    """An uninitialised float32 array of ``n`` values that starts on a 64-byte boundary."""
+    buf = np.empty(n + 16, dtype=np.float32)
+    cdef Py_ssize_t skip = (-buf.ctypes.data % 64) // 4
+    return buf[skip:skip + n]
+
+
+#: Queries per KV head from which a work item takes the block path (pkv_block.h).
+BLOCK_MIN_QUERIES = PKV_BLOCK_MIN_QUERIES
+
+
 cdef inline int padded_queries(int nq) noexcept nogil:
     return (nq + 3) // 4 * 4
 
@@ -179,14 +214,17 @@ cdef void attend_item(const float[:, :, ::1] q,
                       const int32_t[::1] page_indptr, const int32_t[::1] page_indices,
                       const int32_t* item, int heads_per_item, float scale, float soft_cap,
                       int rotation_block, float rotation_scale,
-                      float* acc, float* run_max, float* run_sum, float* scratch) noexcept nogil:
+                      float* acc, float* run_max, float* run_sum, float* scratch,
+                      const void** rows) noexcept nogil:
     """One work item over KV heads ``h0 : h0 + heads_per_item``.
 
     Leaves unnormalised ``acc`` [heads_per_item * nq4, D] and ``run_max``,
     ``run_sum`` [heads_per_item * nq4], head-major, where nq = rows * group
     queries per head are padded to nq4, a multiple of 4, with zero queries:
     the vector primitives then always work on four queries at once.
-    ``scratch`` holds heads_per_item*nq4*D + nq4*(page_size + 1) floats.
+    ``scratch`` holds ``scratch_floats`` floats and ``rows`` 2 * PKV_BLOCK_KEYS
+    pointers.  Items of PKV_BLOCK_MIN_QUERIES queries per head or more take
+    the block path (``attend_item_blocks``); the others go page by page.
     int8: the queries are rotated like the stored rows (so q.k is unchanged),
     the logits take each key's scale and the weights each value's scale.
     """
@@ -211,6 +249,12 @@ cdef void attend_item(const float[:, :, ::1] q,
     cdef float* head_acc
     cdef float* head_max
     cdef float* head_sum
+
+    if nq >= PKV_BLOCK_MIN_QUERIES:
+        attend_item_blocks(q, k_pool, v_pool, k_scales, v_scales, page_indptr, page_indices,
+                           item, heads_per_item, scale, soft_cap, rotation_block,
+                           rotation_scale, acc, run_max, run_sum, scratch, rows)
+        return
 
     for x in range(heads_per_item * nq4):
         run_max[x] = -INFINITY
@@ -267,6 +311,162 @@ cdef void attend_item(const float[:, :, ::1] q,
             pkv_prefetch_rest(&next_values)
 
 
+cdef inline int storage_kind(storage_t* dummy) noexcept nogil:
+    if storage_t is float:
+        return PKV_STORAGE_FLOAT32
+    elif storage_t is uint16_t:
+        return PKV_STORAGE_FLOAT16
+    else:
+        return PKV_STORAGE_INT8
+
+
+cdef inline Py_ssize_t scratch_floats(int nq_max, int heads_per_item, int D,
+                                      int ps) noexcept nogil:
+    """Floats of one thread's scratch for items of up to ``nq_max`` queries per head."""
+    cdef int nq4 = padded_queries(nq_max)
+    cdef int nqp = pkv_block_queries(nq_max), ld = pkv_block_stride(nqp)
+    cdef Py_ssize_t pages = heads_per_item * nq4 * D + nq4 * (ps + 1)
+    # qt, acc, s (ld floats a row), the softmax's five arrays and lo/hi (nqp
+    # each), the block's K and V rows, and a query row
+    cdef Py_ssize_t blocks = ((2 * D + PKV_BLOCK_KEYS) * ld + 7 * nqp
+                              + 2 * PKV_BLOCK_KEYS * pkv_block_stride(D) + D)
+    return max(pages, blocks) if nq_max >= PKV_BLOCK_MIN_QUERIES else pages
+
+
+cdef void block_rows(storage_t[:, :, :, ::1] pool, const float[:, :, ::1] scales,
+                     const int32_t* pages, int h, int64_t key0, int nt, const void** raw,
+                     float* out, const float** rows) noexcept nogil:
+    """Keys ``key0 + t`` (t < nt) of KV head ``h``: ``raw[t]`` = the row in the pool
+    (unless ``raw`` is NULL), and, unless ``out`` is NULL, the rows as float32 in
+    ``out`` [nt, pkv_block_stride(D)] (int8: times the row scales)."""
+    cdef int D = pool.shape[3], ps = pool.shape[2], t = 0, nrun, off, x
+    cdef int stride = pkv_block_stride(D)
+    cdef int32_t page
+    cdef storage_t* dummy = NULL
+    while t < nt:
+        page = pages[(key0 + t) // ps]
+        off = (key0 + t) % ps
+        nrun = min(ps - off, nt - t)
+        if raw != NULL:
+            for x in range(nrun):
+                raw[t + x] = &pool[page, h, off + x, 0]
+        if out != NULL and rows != NULL:
+            for x in range(nrun):
+                rows[t + x] = <const float*>raw[t + x] if storage_t is float else out + (t + x) * stride
+        if out != NULL and (rows == NULL or storage_t is not float):
+            pkv_block_rows(&pool[page, h, off, 0], storage_kind(dummy), nrun, D,
+                           &scales[page, h, off] if storage_t is int8_t else NULL,
+                           out + t * stride, stride)
+        t = t + nrun
+
+
+cdef void attend_item_blocks(const float[:, :, ::1] q,
+                             storage_t[:, :, :, ::1] k_pool, storage_t[:, :, :, ::1] v_pool,
+                             const float[:, :, ::1] k_scales, const float[:, :, ::1] v_scales,
+                             const int32_t[::1] page_indptr, const int32_t[::1] page_indices,
+                             const int32_t* item, int heads_per_item, float scale,
+                             float soft_cap, int rotation_block, float rotation_scale,
+                             float* acc, float* run_max, float* run_sum, float* scratch,
+                             const void** rows) noexcept nogil:
+    """``attend_item`` for items of many queries: keys by blocks of PKV_BLOCK_KEYS.
+
+    Per KV head: the queries transposed and scaled (int8: rotated), then per
+    block the keys copied out of the pool, the scores, the values copied
+    out, one online-softmax step and the weighted sum of the values
+    (``pkv_block.h``), into transposed accumulators copied out at the end.
+    The scores prefetch the block's values, the weighted sum the next
+    block's keys.  Leaves what ``attend_item`` leaves.
+    """
+    cdef int b = item[PKV_W_SEQ], h0 = item[PKV_W_KV_HEAD]
+    cdef int row0 = item[PKV_W_ROW0], row1 = item[PKV_W_ROW1]
+    cdef int key0 = item[PKV_W_KEY0], key1 = item[PKV_W_KEY1]
+    cdef int64_t band_lo = item[PKV_W_BAND_LO], band_hi = item[PKV_W_BAND_HI]
+    cdef int D = q.shape[2], group = q.shape[1] // k_pool.shape[1]
+    cdef int nq = (row1 - row0) * group
+    cdef int nq4 = padded_queries(nq), nqp = pkv_block_queries(nq)
+    cdef int ld = pkv_block_stride(nqp), ks = pkv_block_stride(D)
+    cdef int qi, x, hh, d, nt, next_nt, next_head, blk0, next0
+    cdef int64_t lo, hi
+    cdef const int32_t* pages = &page_indices[page_indptr[b]]
+    cdef float* qt = scratch                          # [D, ld]
+    cdef float* acc_t = qt + D * ld                   # [D, ld]
+    cdef float* s = acc_t + D * ld                    # [PKV_BLOCK_KEYS, ld]
+    cdef float* m = s + PKV_BLOCK_KEYS * ld           # [nqp] running max
+    cdef float* l = m + nqp                           # [nqp] running sum
+    cdef float* alpha = l + nqp                       # [nqp]
+    cdef float* tmp = alpha + nqp                     # [2 * nqp]
+    cdef int32_t* lo_t = <int32_t*>(tmp + 2 * nqp)    # [nqp] band within the block
+    cdef int32_t* hi_t = lo_t + nqp                   # [nqp]
+    cdef float* k_buf = <float*>(hi_t + nqp)          # [PKV_BLOCK_KEYS, ks]
+    cdef float* v_buf = k_buf + PKV_BLOCK_KEYS * ks   # [PKV_BLOCK_KEYS, ks]
+    cdef float* q_row = v_buf + PKV_BLOCK_KEYS * ks   # [D]
+    # pool rows to prefetch: this block's values, the next block's keys
+    cdef const void** v_rows = rows
+    cdef const void** k_next = rows + PKV_BLOCK_KEYS
+    cdef const void** k_raw = rows + 2 * PKV_BLOCK_KEYS
+    cdef const float** krows = <const float**>(rows + 3 * PKV_BLOCK_KEYS)
+    cdef pkv_block_prefetch during_scores, during_sum
+    cdef long row_bytes = D * sizeof(storage_t)
+    cdef const float* qv
+    cdef float* head_acc
+
+    for hh in range(heads_per_item):
+        head_acc = acc + hh * nq4 * D
+        for qi in range(nqp):
+            if qi < nq:
+                qv = &q[row0 + qi // group, (h0 + hh) * group + qi % group, 0]
+                for d in range(D):
+                    q_row[d] = qv[d] * scale
+                if storage_t is int8_t:
+                    pkv_rotate(q_row, D, rotation_block, rotation_scale)
+                for d in range(D):
+                    qt[d * ld + qi] = q_row[d]
+            else:
+                for d in range(D):
+                    qt[d * ld + qi] = 0.0
+            m[qi] = -INFINITY
+            l[qi] = 0.0
+        for d in range(D):
+            for qi in range(nqp):
+                acc_t[d * ld + qi] = 0.0
+
+        blk0 = key0
+        while blk0 < key1:
+            nt = min(PKV_BLOCK_KEYS, key1 - blk0)
+            # the block after this one: of this head, else the next head's first
+            next0 = blk0 + nt
+            next_head = h0 + hh
+            if next0 >= key1:
+                next0 = key0
+                next_head = next_head + 1 if hh + 1 < heads_per_item else -1
+            next_nt = min(PKV_BLOCK_KEYS, key1 - next0) if next_head >= 0 else 0
+            block_rows(k_pool, k_scales, pages, h0 + hh, blk0, nt, k_raw, k_buf, krows)
+            block_rows(v_pool, v_scales, pages, h0 + hh, blk0, nt, v_rows, NULL, NULL)
+            block_rows(k_pool, k_scales, pages, next_head, next0, next_nt, k_next, NULL, NULL)
+            during_scores = pkv_block_prefetch(v_rows, nt, row_bytes)
+            during_sum = pkv_block_prefetch(k_next, next_nt, row_bytes)
+            # the band of each query (row r's queries: r * group : (r + 1) * group)
+            for x in range(row1 - row0):
+                lo = min(max(band_lo + x - blk0, 0), nt)
+                hi = min(max(band_hi + x - blk0, lo), nt)
+                for qi in range(x * group, (x + 1) * group):
+                    lo_t[qi] = <int32_t>lo
+                    hi_t[qi] = <int32_t>hi
+            for qi in range(nq, nqp):
+                lo_t[qi] = 0
+                hi_t[qi] = 0
+            pkv_block_scores(qt, ld, nqp, krows, nt, D, s, &during_scores)
+            block_rows(v_pool, v_scales, pages, h0 + hh, blk0, nt, NULL, v_buf, NULL)
+            pkv_block_softmax(s, ld, nqp, nt, nq, lo_t, hi_t, soft_cap, m, l, alpha, tmp)
+            pkv_block_accumulate(acc_t, ld, nqp, alpha, s, v_buf, ks, nt, D, &during_sum)
+            blk0 = blk0 + nt
+
+        for qi in range(nq4):
+            for d in range(D):
+                head_acc[qi * D + d] = acc_t[d * ld + qi] if qi < nq else 0.0
+            run_max[hh * nq4 + qi] = m[qi] if qi < nq else -INFINITY
+            run_sum[hh * nq4 + qi] = l[qi] if qi < nq else 0.0
+
 def paged_attention(const float[:, :, ::1] q,
                     storage_t[:, :, :, ::1] k_pool, storage_t[:, :, :, ::1] v_pool,
                     const float[:, :, ::1] k_scales, const float[:, :, ::1] v_scales,
@@ -309,49 +509,78 @@ def paged_attention(const float[:, :, ::1] q,
     cdef Py_ssize_t W = items.shape[0], M = item_offsets.shape[0] - 1
     cdef int D = q.shape[2], ps = k_pool.shape[2], group = q.shape[1] // k_pool.shape[1]
     cdef int nq_max = padded_queries(max_rows_per_item * group)
-    acc_buf = np.empty((W, heads_per_item * nq_max, D), dtype=np.float32)
-    max_buf = np.empty((W, heads_per_item * nq_max), dtype=np.float32)
-    sum_buf = np.empty((W, heads_per_item * nq_max), dtype=np.float32)
+    cdef Py_ssize_t part_queries = heads_per_item * nq_max, num_parts = 0, w, m
+    if W == 0:
+        return
+    for w in range(W):
+        num_parts = max(num_parts, items[w, PKV_W_PART] + 1)
+    # partial results: of the split items, by slot (PART); an item that covers
+    # its rows' keys alone leaves its own in its thread's row and writes the
+    # output itself
+    acc_buf = np.empty((num_parts + num_threads, part_queries, D), dtype=np.float32)
+    max_buf = np.empty((num_parts + num_threads, part_queries), dtype=np.float32)
+    sum_buf = np.empty((num_parts + num_threads, part_queries), dtype=np.float32)
     cdef float[:, :, ::1] acc = acc_buf
     cdef float[:, ::1] run_max = max_buf, run_sum = sum_buf
     # one scratch row per thread: scaled queries, scores and softmax rescales
-    scratch_buf = np.empty((num_threads, heads_per_item * nq_max * D + nq_max * (ps + 1)),
-                           dtype=np.float32)
+    # (and, on the block path, K/V row pointers), in whole cache lines from a
+    # cache-line boundary, so that the block path's rows are whole lines
+    cdef Py_ssize_t row_floats = (scratch_floats(max_rows_per_item * group, heads_per_item,
+                                                 D, ps) + 15) // 16 * 16
+    scratch_buf = aligned_empty(num_threads * row_floats).reshape(num_threads, row_floats)
     cdef float[:, ::1] scratch = scratch_buf
+    rows_buf = np.empty((num_threads, 4 * PKV_BLOCK_KEYS), dtype=np.intp)
+    cdef Py_ssize_t[:, ::1] rows = rows_buf
     cdef const float* sink_ptr = &sinks[0] if sinks is not None else NULL
-    cdef Py_ssize_t w, m
-    if W == 0:
-        return
+    cdef Py_ssize_t slot, i
     with nogil:
-        for w in prange(W, schedule="dynamic", num_threads=num_threads):
+        # last items first: those of a causal prefill's later rows, which see
+        # the most keys, so that the short ones even out the threads at the end
+        for i in prange(W, schedule="dynamic", num_threads=num_threads):
+            w = W - 1 - i
+            slot = items[w, PKV_W_PART]
+            if slot < 0:
+                slot = num_parts + threadid()
             attend_item(q, k_pool, v_pool, k_scales, v_scales, page_indptr, page_indices,
                         &items[w, 0], heads_per_item, scale, soft_cap, rotation_block,
-                        rotation_scale, &acc[w, 0, 0], &run_max[w, 0], &run_sum[w, 0],
-                        &scratch[threadid(), 0])
+                        rotation_scale, &acc[slot, 0, 0], &run_max[slot, 0],
+                        &run_sum[slot, 0], &scratch[threadid(), 0],
+                        <const void**>&rows[threadid(), 0])
+            if items[w, PKV_W_PART] < 0:
+                merge_partials(&items[0, 0], w, w + 1, group, heads_per_item, sink_ptr,
+                               rotation_block, rotation_scale, &acc[slot, 0, 0],
+                               &run_max[slot, 0], &run_sum[slot, 0], part_queries, D, out)
         for m in prange(M, schedule="static", num_threads=num_threads):
-            merge_partials(&items[0, 0], item_offsets[m], item_offsets[m + 1], group,
-                           heads_per_item, sink_ptr, rotation_block, rotation_scale, acc,
-                           run_max, run_sum, out)
+            if items[item_offsets[m], PKV_W_PART] >= 0:
+                merge_partials(&items[0, 0], item_offsets[m], item_offsets[m + 1], group,
+                               heads_per_item, sink_ptr, rotation_block, rotation_scale,
+                               &acc[0, 0, 0], &run_max[0, 0], &run_sum[0, 0], part_queries,
+                               D, out)
 
 
 cdef void merge_partials(const int32_t* items, int first, int last, int group,
                          int heads_per_item, const float* sinks, int rotation_block,
-                         float rotation_scale, float[:, :, ::1] acc,
-                         float[:, ::1] run_max, float[:, ::1] run_sum,
+                         float rotation_scale, const float* acc, const float* run_max,
+                         const float* run_sum, Py_ssize_t part_queries, int D,
                          float[:, :, ::1] out) noexcept nogil:
-    """Combine items ``first:last`` (one query block, key ranges split) into ``out``.
+    """Combine items ``first:last`` (one query block) into ``out``.
 
-    With ``sinks`` (float32 [num_heads], else NULL), head ``h``'s denominator
-    gains ``exp(sinks[h])``; everything is rescaled to the larger of the
-    logits' max and the sink, so that no exponent is positive.  With a
+    Item ``w``'s partial results are those of slot ``max(PART, 0)``: ``acc``
+    [slot, part_queries, D], ``run_max`` and ``run_sum`` [slot, part_queries]
+    (an item that is not split passes its own as slot 0).  With ``sinks``
+    (float32 [num_heads], else NULL), head ``h``'s denominator gains
+    ``exp(sinks[h])``; everything is rescaled to the larger of the logits'
+    max and the sink, so that no exponent is positive.  With a
     ``rotation_block`` (int8 rows), the output is rotated back.
     """
     cdef const int32_t* item = items + first * PKV_W_FIELDS
     cdef int h0 = item[PKV_W_KV_HEAD], row0 = item[PKV_W_ROW0], row1 = item[PKV_W_ROW1]
-    cdef int D = acc.shape[2], nq = (row1 - row0) * group, nq4 = padded_queries(nq)
+    cdef int nq = (row1 - row0) * group, nq4 = padded_queries(nq)
     cdef int x, qi, w, d, head
+    cdef Py_ssize_t part
     cdef float m, total, weight, sink
     cdef float* dst
+    cdef const float* src
     for x in range(heads_per_item * nq4):
         qi = x % nq4
         if qi >= nq:
@@ -360,7 +589,8 @@ cdef void merge_partials(const int32_t* items, int first, int last, int group,
         sink = sinks[head] if sinks != NULL else -INFINITY
         m = sink
         for w in range(first, last):
-            m = max(m, run_max[w, x])
+            part = max(items[w * PKV_W_FIELDS + PKV_W_PART], 0) * part_queries + x
+            m = max(m, run_max[part])
         dst = &out[row0 + qi // group, head, 0]
         for d in range(D):
             dst[d] = 0.0
@@ -368,10 +598,12 @@ cdef void merge_partials(const int32_t* items, int first, int last, int group,
             continue        # no key at all (cannot happen for a causal query); output 0
         total = expf(sink - m) if sinks != NULL else 0.0
         for w in range(first, last):
-            weight = expf(run_max[w, x] - m)
-            total = total + run_sum[w, x] * weight
+            part = max(items[w * PKV_W_FIELDS + PKV_W_PART], 0) * part_queries + x
+            weight = expf(run_max[part] - m)
+            total = total + run_sum[part] * weight
+            src = acc + part * D
             for d in range(D):
-                dst[d] = dst[d] + acc[w, x, d] * weight
+                dst[d] = dst[d] + src[d] * weight
         for d in range(D):
             dst[d] = dst[d] / total
         pkv_rotate(dst, D, rotation_block, rotation_scale)

@@ -44,7 +44,7 @@ def fallback_kernels(tmp_path_factory):
     build = tmp_path_factory.mktemp("fallback")
     sources = files("pagedkv")
     shutil.copy(sources / "_kernels.pyx", build / "fallback_kernels.pyx")
-    for header in ("pkv_half.h", "pkv_simd.h", "pkv_quant.h"):
+    for header in ("pkv_half.h", "pkv_simd.h", "pkv_block.h", "pkv_quant.h"):
         shutil.copy(sources / header, build / header)
     for header in ("pkv_work_item.h", "pkv_storage.h"):
         shutil.copy(files("pagedkv.opencl") / header, build / header)

@@ -15,7 +15,8 @@ def test_cython_sources_ship_with_the_package():
     names = {p.name for p in files("pagedkv").iterdir()}
     for source in ("_allocator.pyx", "_allocator.pxd", "_page_table.pyx", "_kernels.pyx",
                    "_kernels_level.pxi", "_cpuid.pyx", "_cpuid.pyi", "pkv_half.h",
-                   "pkv_simd.h", "pkv_hash.h", "pkv_cpuid.h", "py.typed"):
+                   "pkv_simd.h", "pkv_block.h", "pkv_quant.h", "pkv_hash.h", "pkv_cpuid.h",
+                   "py.typed"):
         assert source in names, source
 
 

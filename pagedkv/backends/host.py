@@ -14,6 +14,16 @@ from pagedkv.backends.schedule import ITEM, plan_attention
 # Query rows x query heads of one item: 64 query vectors of head_dim floats
 # keep the accumulator in L1/L2 while a K/V page streams past.
 _QUERIES_PER_ITEM = 64
+# Items of many queries per KV head take the kernels' block path
+# (pagedkv/pkv_block.h), which reads and copies each block of keys and values
+# once per item: the more query rows an item has, the less it reads per
+# multiply-add (prefill of 2,048 tokens: 256 queries an item took a seventh
+# off the time of 64).  Its queries and accumulators, 2 x queries x head_dim
+# floats, must stay in L2 with the blocks: this many floats fit a 512 KiB L2.
+_BLOCK_ITEM_FLOATS = 1 << 16
+# ...but no fewer items per thread than this, so that dynamic scheduling
+# evens out items of unequal length (causal prefill).
+_BLOCK_ITEMS_PER_THREAD = 16
 # Split-K parts never shorter than this many keys: below it the merge costs
 # more than the parallelism gains.
 _MIN_PART_TOKENS = 256
@@ -145,8 +155,10 @@ class HostBackend(Backend):
         group = num_heads // self.num_kv_heads
         rows_per_block = max(1, _QUERIES_PER_ITEM // group)
         num_rows = np.diff(tables.query_start)
-        num_blocks = int((-(-num_rows // rows_per_block)).sum())
         longest = int(num_rows.max(initial=0))
+        if min(longest, rows_per_block) * group >= _kernels.BLOCK_MIN_QUERIES:
+            rows_per_block = self._block_rows(num_rows, group, rows_per_block)
+        num_blocks = int((-(-num_rows // rows_per_block)).sum())
         heads_per_item = 1
         for heads in range(self.num_kv_heads, 0, -1):
             if self.num_kv_heads % heads == 0 and \
@@ -164,6 +176,16 @@ class HostBackend(Backend):
         work = int((rows * keys).sum()) * heads_per_item * group * self.head_dim
         return _HostPlan(items, item_offsets, heads_per_item, int(rows.max(initial=0)),
                          _threads_for(work, self.num_threads))
+
+    def _block_rows(self, num_rows, group, rows_per_block):
+        """Query rows per item when the rows are many (block path): as many as
+        L2 holds, halved while the items would be too few for the threads."""
+        most = max(rows_per_block, _BLOCK_ITEM_FLOATS // (2 * self.head_dim * group))
+        while most > rows_per_block and \
+                (-(-num_rows // most)).sum() * self.num_kv_heads < \
+                _BLOCK_ITEMS_PER_THREAD * self.num_threads:
+            most = max(rows_per_block, most // 2)
+        return most
 
     def gather(self, layer, slots):
         shape = (len(slots), self.num_kv_heads, self.head_dim)
