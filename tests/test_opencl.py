@@ -423,15 +423,15 @@ def test_cpu_layout_work_per_work_item_is_bounded(cl_device, head_dim, group, ro
     worst = []
     for seq_len in (rows, 2_000, 20_000, 100_000, 300_000):
         plan = _Plan(backend, Tables(seq_len), group, None)
-        items = plan.items.get()
+        items = plan.host_items
         queries = (items[:, ITEM.ROW1] - items[:, ITEM.ROW0]) * plan.group
         keys = items[:, ITEM.KEY1] - items[:, ITEM.KEY0]
         work = layout.attention_iterations(queries, keys)
         assert work.max() <= layout.max_work_item_iterations, (seq_len, work.max())
         assert keys.sum() >= seq_len * (rows == 1)              # every key is covered
         if plan.num_segments:
-            parts = np.diff(plan.seg_parts.get())
-            merge = layout.merge_iterations(queries[plan.seg_items.get()], parts)
+            parts = np.diff(plan.host_seg_parts)
+            merge = layout.merge_iterations(queries[plan.host_seg_items], parts)
             assert merge.max() <= layout.max_work_item_iterations, (seq_len, merge.max())
         worst.append(int(work.max()))
     assert max(worst[2:]) <= layout.max_work_item_iterations

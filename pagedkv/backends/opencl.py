@@ -53,12 +53,13 @@ class _Plan:
 
     Attributes
     ----------
-    items : pyopencl Array, shape [num_items, ITEM.COUNT], int32
+    items : pyopencl Buffer, [num_items, ITEM.COUNT] int32
         One work-group each (``opencl/pkv_work_item.h``); ``KV_HEAD`` is the
-        head group.
-    seg_items, seg_parts : pyopencl Array, shape [num_segments] / [num_segments + 1], int32
+        head group.  ``host_items`` is the host copy (an ndarray).
+    seg_items, seg_parts : pyopencl Buffer, [num_segments] / [num_segments + 1] int32
         For ``merge_partials``: first item of each split (row block, head
-        group) and its range of partial slots.
+        group) and its range of partial slots (``host_seg_items``,
+        ``host_seg_parts``: the host copies).
     """
 
     def __init__(self, backend, tables, num_heads, sliding_window):
@@ -80,11 +81,36 @@ class _Plan:
         self.num_items = len(items)
         self.num_parts = int((items[:, ITEM.PART] >= 0).sum())
         self.num_segments = int(split.sum())
+        self.host_items = items
         self.items = backend._upload(items) if self.num_items else None
         if self.num_segments:
-            self.seg_items = backend._upload(item_offsets[:-1][split].astype(np.int32))
-            self.seg_parts = backend._upload(
-                np.concatenate([[0], np.cumsum(counts[split])]).astype(np.int32))
+            self.host_seg_items = item_offsets[:-1][split].astype(np.int32)
+            self.host_seg_parts = np.concatenate([[0], np.cumsum(counts[split])]).astype(np.int32)
+            self.seg_items = backend._upload(self.host_seg_items)
+            self.seg_parts = backend._upload(self.host_seg_parts)
+        self._backend = backend
+        self._scratch = self._output = None
+
+    def scratch(self):
+        """The partial-result buffers ``(part_acc, part_max, part_sum)``, made on first use.
+
+        Every layer of the step writes them again: the cache's queue is in
+        order, so one layer's merge has read them before the next layer's
+        attention overwrites them.
+        """
+        if self._scratch is None:
+            parts = max(self.num_parts, 1)   # an OpenCL buffer cannot be empty
+            nq, head_dim = self._backend.layout.max_queries, self._backend.head_dim
+            allocate = self._backend._pool.allocate
+            self._scratch = (allocate(4 * parts * nq * head_dim), allocate(4 * parts * nq),
+                             allocate(4 * parts * nq))
+        return self._scratch
+
+    def output(self, num_floats):
+        """A float32 output buffer of ``num_floats`` for the layers' numpy results."""
+        if self._output is None:
+            self._output = self._backend._pool.allocate(4 * num_floats)
+        return self._output
 
 
 class OpenCLBackend(Backend):
@@ -148,6 +174,7 @@ class OpenCLBackend(Backend):
         # temporaries (uploads, outputs, partials) come from a pool: reused
         # buffers are safe because every command goes through this in-order queue
         self._pool = cl.tools.MemoryPool(cl.tools.ImmediateAllocator(self.queue))
+        self._copy_flags = cl.mem_flags.READ_WRITE | cl.mem_flags.COPY_HOST_PTR
         self._build_kernels(layout_overrides)
         # buffers cannot be empty: what a kernel gets for sinks or scales it does not use
         self._placeholder = self._upload(np.zeros(1, np.float32))
@@ -220,10 +247,10 @@ class OpenCLBackend(Backend):
             self.num_kv_heads, self.page_size, self.head_dim)
 
     def _scales(self, layer):
-        """The layer's scale buffers as kernel arguments (placeholders for float formats)."""
+        """The layer's K and V scale buffers (placeholders for float formats)."""
         if not self.storage.scaled:
-            return dict(k_scales=self._placeholder, v_scales=self._placeholder)
-        return dict(k_scales=self._k_scales[layer], v_scales=self._v_scales[layer])
+            return self._placeholder, self._placeholder
+        return self._k_scales[layer], self._v_scales[layer]
 
     @property
     def _rows_or_vectors(self):
@@ -231,26 +258,26 @@ class OpenCLBackend(Backend):
         quantized whole by one work-item, float rows one vector per work-item."""
         return 1 if self.storage.scaled else self.head_dim // self.layout.vector_width
 
-    def _rotate(self, x):
-        """Rotate the rows of float32 device array ``x`` in place (int8 formats);
-        returns the kernel's event."""
-        rows = x.size // self.head_dim
+    def _rotate(self, x, rows):
+        """Rotate the first ``rows`` rows of float32 device buffer (or array) ``x`` in
+        place (int8 formats); returns the kernel's event."""
         return self._launch(self._k_rotate, rows, x=x, n=rows)
 
     def is_native(self, array):
         return _cl_array is not None and isinstance(array, _cl_array.Array)
 
     def _upload(self, array, dtype=None):
-        """A device copy (pyopencl Array from the pool) of a non-empty host array,
-        converted to ``dtype`` (None: its own) in the same host copy.
+        """A device copy (a pyopencl Buffer) of a non-empty host array, converted to
+        ``dtype`` (None: its own).
 
-        The transfer does not block: each blocking transfer costs a round
-        trip through the driver (about 50 us on PoCL), four of them per layer
-        before.  It reads a private host copy, so the caller may change its
-        array at once; pyopencl keeps that copy alive until the transfer ran.
+        The buffer is made with ``COPY_HOST_PTR``: the driver copies the data
+        as it creates the buffer, so no command is queued (on PoCL an
+        enqueued write costs tens of microseconds of host time, and each
+        command in a layer's chain adds latency) and the caller may change
+        its array at once.
         """
-        return _cl_array.to_device(self.queue, np.array(array, dtype=dtype, order="C", copy=True),
-                                   allocator=self._pool, async_=True)
+        host = np.ascontiguousarray(array, dtype=dtype)
+        return self._cl.Buffer(self.context, self._copy_flags, hostbuf=host)
 
     def _empty(self, shape):
         return _cl_array.empty(self.queue, shape, np.float32, allocator=self._pool)
@@ -262,14 +289,15 @@ class OpenCLBackend(Backend):
                       **args)
 
     def _device_f32(self, x, name):
-        """``x`` as a C-contiguous float32 pyopencl Array of this context.
+        """``x`` as C-contiguous float32 device memory of this context.
 
-        numpy input is converted on the host and uploaded; a pyopencl array is
-        used in place when it is float32, else converted on the device.
+        numpy input is converted on the host and uploaded (a private Buffer);
+        a pyopencl array is used in place when it is float32, else converted
+        on the device (a new Array).
 
         Returns
         -------
-        array : pyopencl Array
+        array : pyopencl Buffer or Array
         wait_for : list of pyopencl Event
             What a kernel reading ``array`` must wait for.
         """
@@ -344,7 +372,8 @@ class OpenCLBackend(Backend):
             return
         kd, k_wait = self._device_f32(k, "k")
         vd, v_wait = self._device_f32(v, "v")
-        scales = self._scales(layer) if self.storage.scaled else {}
+        scales = dict(zip(("k_scales", "v_scales"), self._scales(layer))) \
+            if self.storage.scaled else {}
         event = self._launch(
             self._k_scatter, num_tokens * self.num_kv_heads * self._rows_or_vectors,
             wait_for=k_wait + v_wait, k=kd, v=vd, slot_mapping=tables.device["slot_mapping"],
@@ -384,43 +413,47 @@ class OpenCLBackend(Backend):
             result[...] = 0.0
             return result
         qd, q_wait = self._device_f32(q, "q")
+        rows = q.shape[0] * q.shape[1]
         if self.storage.rotation_block:   # rotated like the stored rows (a private copy)
             if qd is q:
                 qd = qd.copy(queue=self.queue)
-            self._rotate(qd)
+            self._rotate(qd, rows)
         t = tables.device
-        out = self._empty(q.shape)
-        parts = max(plan.num_parts, 1)   # an OpenCL buffer cannot be empty
-        nq = self.layout.max_queries
-        part_acc = self._empty((parts, nq, self.head_dim))
-        part_max, part_sum = self._empty((parts, nq)), self._empty((parts, nq))
+        # numpy results are read back before this returns, so one buffer per
+        # plan serves every layer; a pyopencl result is the caller's to keep
+        out_d = self._empty(q.shape) if native else plan.output(rows * self.head_dim)
+        part_acc, part_max, part_sum = plan.scratch()
         sinks = self._placeholder if spec.sinks is None else self._upload(spec.sinks)
-        variant = dict(sinks=sinks, has_sinks=spec.sinks is not None)
         wg = self.layout.work_group_size
+        k_scales, v_scales = self._scales(layer)
         events = [self._k_attention(
             self.queue, (plan.num_items * wg,), (wg,), wait_for=q_wait,
-            q=qd, k_pool=self._k[layer], v_pool=self._v[layer], **self._scales(layer),
-            page_indptr=t["page_indptr"],
+            q=qd, k_pool=self._k[layer], v_pool=self._v[layer], k_scales=k_scales,
+            v_scales=v_scales, page_indptr=t["page_indptr"],
             page_indices=t["page_indices"], items=plan.items, group=plan.group,
             num_groups=plan.num_groups, sub_groups=plan.sub_groups, page_size=self.page_size,
             num_pages=self.layer_pages[layer], nnz=len(tables.page_indices), scale=spec.scale,
-            soft_cap=spec.logits_soft_cap or 0.0, out=out, part_acc=part_acc,
-            part_max=part_max, part_sum=part_sum, **variant)]
+            soft_cap=spec.logits_soft_cap or 0.0, sinks=sinks, has_sinks=spec.sinks is not None,
+            out=out_d, part_acc=part_acc, part_max=part_max, part_sum=part_sum)]
         if plan.num_segments:
             mwg = self.layout.merge_work_group_size
             events.append(self._k_merge(
                 self.queue, (plan.num_segments * mwg,), (mwg,),
                 items=plan.items, seg_items=plan.seg_items, seg_parts=plan.seg_parts,
                 part_acc=part_acc, part_max=part_max, part_sum=part_sum, group=plan.group,
-                num_groups=plan.num_groups, out=out, **variant))
+                num_groups=plan.num_groups, sinks=sinks, has_sinks=spec.sinks is not None,
+                out=out_d))
         if self.storage.rotation_block:   # the output, back from the rotated basis
-            events.append(self._rotate(out))
+            events.append(self._rotate(out_d, rows))
         self._last_events = events
-        out.add_event(events[-1])
         if native:
+            out_d.add_event(events[-1])
             self._hand_back(q, event=events[0])
-            return out
-        return out.get() if result is None else out.get(ary=result)
+            return out_d
+        if result is None:
+            result = np.empty(q.shape, np.float32)
+        self._cl.enqueue_copy(self.queue, result, out_d)
+        return result
 
     @property
     def last_attention_kernel_seconds(self):
@@ -444,7 +477,8 @@ class OpenCLBackend(Backend):
             return k, v
         slots_d = self._upload(slots.astype(np.int64))
         kd, vd = self._empty(k.shape), self._empty(v.shape)
-        scales = self._scales(layer) if self.storage.scaled else {}
+        scales = dict(zip(("k_scales", "v_scales"), self._scales(layer))) \
+            if self.storage.scaled else {}
         self._launch(self._k_gather, n * self.num_kv_heads * self._rows_or_vectors,
                      k_pool=self._k[layer], v_pool=self._v[layer], slots=slots_d, k_out=kd,
                      v_out=vd, num_slots_wanted=n, num_kv_heads=self.num_kv_heads,
