@@ -82,13 +82,13 @@
 
 /* full unrolling keeps register tiles in registers */
 #define PKV_UNROLL _Pragma("unroll")
+#define PKV_MIN(a, b) ((a) < (b) ? (a) : (b))
+#define PKV_MAX(a, b) ((a) > (b) ? (a) : (b))
 
 /* key_src[t] of a chunk's key: masked (no valid page, or past the chunk's
    keys), in the pool, or else the row of new_k / new_v that holds it */
 #define PKV_KEY_MASKED (-2)
 #define PKV_KEY_POOL (-1)
-#define PKV_MIN(a, b) ((a) < (b) ? (a) : (b))
-#define PKV_MAX(a, b) ((a) > (b) ? (a) : (b))
 
 /* A stored row's scale (int8), by its element offset; 1 for float formats. */
 #if PKV_SCALED
@@ -230,9 +230,14 @@ void paged_attention(__global const float* q,              /* [T, num_heads, D] 
     const int pages_begin = page_indptr[b], pages_end = PKV_MIN(page_indptr[b + 1], nnz);
     /* the step's new tokens of sequence b, when this launch stores them: rows
        new_row0..new_row1 of new_k / new_v, at positions new_pos0.. */
-    const int new_row0 = num_new_tokens > 0 ? query_start[b] : 0;
-    const int new_row1 = num_new_tokens > 0 ? PKV_MIN(query_start[b + 1], num_new_tokens) : 0;
-    const long new_pos0 = num_new_tokens > 0 ? (long)seq_lens[b] - (new_row1 - new_row0) : 0;
+#if PKV_SCALED
+    const bool fused = false;   /* int8 rows are quantized whole by scatter_kv_int8 */
+#else
+    const bool fused = num_new_tokens > 0;
+#endif
+    const int new_row0 = fused ? query_start[b] : 0;
+    const int new_row1 = fused ? PKV_MIN(query_start[b + 1], num_new_tokens) : 0;
+    const long new_pos0 = fused ? (long)seq_lens[b] - (new_row1 - new_row0) : 0;
 
     for (int k = 0; k < PKV_CEIL(nq, PKV_WG); ++k) {
         const int qi = lid + k * PKV_WG;
@@ -383,8 +388,9 @@ void paged_attention(__global const float* q,              /* [T, num_heads, D] 
                         const int qi = qb * PKV_QB + j;
                         if (qi < nq && t < n_keys) {
                             const float x = sums[i][j] * scale;
-                            scores[qi * PKV_CHUNK + t] =
-                                key_src[t] != PKV_KEY_MASKED && q_lo[j] <= c0 + t && c0 + t < q_hi[j]
+                            const bool seen = key_src[t] != PKV_KEY_MASKED &&
+                                q_lo[j] <= c0 + t && c0 + t < q_hi[j];
+                            scores[qi * PKV_CHUNK + t] = seen
                                 ? (soft_cap > 0.0f ? soft_cap * tanh(x / soft_cap) : x)
                                 : -INFINITY;
                         }

@@ -612,6 +612,34 @@ def test_nothing_to_do_launches_nothing(cl_device):
 
 
 @needs_opencl
+@pytest.mark.parametrize("dtype,fused", [("float32", True), ("float16", True), ("int8", False)])
+def test_a_decode_layer_is_one_launch(cl_device, dtype, fused):
+    # With numpy K/V, a float format's store runs in its layer's attention
+    # launch; int8 rows are quantized by their own scatter first.
+    cache = opencl_cache(cl_device, dtype=dtype)
+    backend = cache._backend
+    launches = []
+
+    def counted(kernel):
+        def call(*args, **kwargs):
+            launches.append(kernel.name)
+            return kernel(*args, **kwargs)
+        return call
+
+    backend._k_scatter = counted(backend._k_scatter)
+    backend._k_attention = counted(backend._k_attention)
+    s = cache.add_sequence()
+    rng = np.random.default_rng(0)
+    cache.store(0, cache.append([s], 20), *rng.standard_normal((2, 20, 2, 32), np.float32))
+    batch = cache.append([s], 1)
+    launches.clear()
+    cache.store(0, batch, *rng.standard_normal((2, 1, 2, 32), np.float32))
+    assert launches == ([] if fused else ["scatter_kv_int8"])
+    cache.attention(0, batch, rng.standard_normal((1, 4, 32), np.float32))
+    assert launches == ["paged_attention"] if fused else ["scatter_kv_int8", "paged_attention"]
+
+
+@needs_opencl
 def test_memory_bytes_and_pool_limits(cl_device):
     cache = opencl_cache(cl_device, 2, 32, num_layers=3, num_pages=10, page_size=8, dtype="float16")
     assert cache.memory_bytes == 2 * 3 * 10 * 2 * 8 * 32 * 2
