@@ -22,6 +22,15 @@
  *   3. output: the work-items share out tiles of PKV_QB queries x PKV_CB
  *      vectors of D, each accumulating weight x V over the chunk's keys.
  *
+ * A launch may also store the step's new K/V (the store fused into the
+ * attention, so that a decode layer costs one launch): with num_new_tokens >
+ * 0, the work-groups past num_items scatter new_k / new_v into the pools
+ * (scatter_rows rows (token, head) each, pkv_scatter_vector), and the
+ * attention work-groups read the step's new keys from new_k / new_v instead
+ * of the pools (rounded as the pools store them), so that no work-group reads
+ * what another writes.  Float formats and staged K/V only; the host runs
+ * scatter_kv first otherwise.
+ *
  * An item that covers its rows' whole key range (part < 0) writes the
  * normalised output.  Otherwise it leaves its unnormalised accumulator, max
  * and sum in slot `part` of the partial buffers, and merge_partials combines
@@ -75,6 +84,11 @@
 #define PKV_UNROLL _Pragma("unroll")
 #define PKV_MIN(a, b) ((a) < (b) ? (a) : (b))
 #define PKV_MAX(a, b) ((a) > (b) ? (a) : (b))
+
+/* key_src[t] of a chunk's key: masked (no valid page, or past the chunk's
+   keys), in the pool, or else the row of new_k / new_v that holds it */
+#define PKV_KEY_MASKED (-2)
+#define PKV_KEY_POOL (-1)
 
 /* A stored row's scale (int8), by its element offset; 1 for float formats. */
 #if PKV_SCALED
@@ -150,13 +164,21 @@ inline float pkv_output_scale(const float m, const float sum, const float sink) 
 
 __kernel __attribute__((reqd_work_group_size(PKV_WG, 1, 1)))
 void paged_attention(__global const float* q,              /* [T, num_heads, D] */
-                     __global const pkv_storage* k_pool,   /* [pages, H, page_size, D] */
-                     __global const pkv_storage* v_pool,
+                     __global pkv_storage* k_pool,         /* [pages, H, page_size, D] */
+                     __global pkv_storage* v_pool,
                      __global const float* k_scales,       /* int8: [pages, H, page_size] */
                      __global const float* v_scales,
                      __global const int* page_indptr,      /* [B+1] */
                      __global const int* page_indices,     /* [nnz] */
                      __global const int* items,            /* [num_items, PKV_W_FIELDS] */
+                     const int num_items,
+                     /* the fused store (num_new_tokens > 0; else unread) */
+                     __global const float* new_k,          /* [T, H, D] */
+                     __global const float* new_v,
+                     __global const long* slot_mapping,    /* [T] */
+                     __global const int* query_start,      /* [B+1] */
+                     __global const int* seq_lens,         /* [B] */
+                     const int num_new_tokens, const int scatter_rows, const long num_slots,
                      const int group, const int num_groups, const int sub_groups,
                      const int page_size, const int num_pages, const int nnz, const float scale,
                      const float soft_cap,                 /* c of c * tanh(x / c); 0: none */
@@ -170,7 +192,7 @@ void paged_attention(__global const float* q,              /* [T, num_heads, D] 
     __local pkv_svec scores_v[PKV_NQ * PKV_CHUNK / PKV_SW];
     __local float* scores = (__local float*)scores_v;
     __local ulong key_row[PKV_CHUNK];           /* element offset of each key's K/V row */
-    __local int key_ok[PKV_CHUNK];
+    __local int key_src[PKV_CHUNK];             /* PKV_KEY_MASKED, PKV_KEY_POOL or a new_k row */
     __local float run_max[PKV_NQ], run_sum[PKV_NQ], rescale[PKV_NQ];
     __local int vis_lo[PKV_NQ], vis_hi[PKV_NQ]; /* the chunk's keys a query sees: vis_lo:vis_hi */
 #if PKV_STAGE_K
@@ -181,6 +203,21 @@ void paged_attention(__global const float* q,              /* [T, num_heads, D] 
 #endif
 
     const int lid = get_local_id(0);
+#if !PKV_SCALED
+    if (get_group_id(0) >= num_items) {
+        /* a scatter work-group: rows (token, head) first_row.. of new_k / new_v */
+        const ulong first_row = (ulong)(get_group_id(0) - num_items) * (ulong)scatter_rows;
+        const ulong num_rows = (ulong)num_new_tokens * (ulong)(num_groups / sub_groups);
+        for (int k = 0; k < PKV_CEIL(scatter_rows * PKV_DV, PKV_WG); ++k) {
+            const int u = lid + k * PKV_WG;
+            if (u < scatter_rows * PKV_DV && first_row + u / PKV_DV < num_rows)
+                pkv_scatter_vector(first_row * PKV_DV + u, new_k, new_v, slot_mapping, k_pool,
+                                   v_pool, num_new_tokens, num_groups / sub_groups, page_size,
+                                   num_slots);
+        }
+        return;
+    }
+#endif
     __global const int* item = items + (size_t)get_group_id(0) * PKV_W_FIELDS;
     const int b = item[PKV_W_SEQ], h = item[PKV_W_KV_HEAD], kv_head = h / sub_groups;
     const int row0 = item[PKV_W_ROW0], row1 = item[PKV_W_ROW1];
@@ -191,6 +228,16 @@ void paged_attention(__global const float* q,              /* [T, num_heads, D] 
     const int query_blocks = PKV_CEIL(nq, PKV_QB);
     const int out_tiles = query_blocks * PKV_COL_BLOCKS;   /* <= PKV_OUT_TILES */
     const int pages_begin = page_indptr[b], pages_end = PKV_MIN(page_indptr[b + 1], nnz);
+    /* the step's new tokens of sequence b, when this launch stores them: rows
+       new_row0..new_row1 of new_k / new_v, at positions new_pos0.. */
+#if PKV_SCALED
+    const bool fused = false;   /* int8 rows are quantized whole by scatter_kv_int8 */
+#else
+    const bool fused = num_new_tokens > 0;
+#endif
+    const int new_row0 = fused ? query_start[b] : 0;
+    const int new_row1 = fused ? PKV_MIN(query_start[b + 1], num_new_tokens) : 0;
+    const long new_pos0 = fused ? (long)seq_lens[b] - (new_row1 - new_row0) : 0;
 
     for (int k = 0; k < PKV_CEIL(nq, PKV_WG); ++k) {
         const int qi = lid + k * PKV_WG;
@@ -220,17 +267,19 @@ void paged_attention(__global const float* q,              /* [T, num_heads, D] 
             const int t = lid + k * PKV_WG;
             if (t < PKV_CHUNK) {
                 ulong row = 0;
-                int ok = 0;
+                int src = PKV_KEY_MASKED;
                 if (t < n_keys) {
                     const int pos = c0 + t, j = pages_begin + pos / page_size;
                     const int page = j < pages_end ? page_indices[j] : -1;
                     if (page >= 0 && page < num_pages) {
                         row = pkv_row(page, kv_head, pos % page_size, num_kv_heads, page_size);
-                        ok = 1;
+                        const long new_row = new_row0 + (pos - new_pos0);
+                        src = pos >= new_pos0 && new_row0 <= new_row && new_row < new_row1
+                            ? (int)new_row : PKV_KEY_POOL;
                     }
                 }
                 key_row[t] = row;
-                key_ok[t] = ok;
+                key_src[t] = src;
             }
         }
         barrier(CLK_LOCAL_MEM_FENCE);
@@ -241,20 +290,47 @@ void paged_attention(__global const float* q,              /* [T, num_heads, D] 
             if (u < n_rows * PKV_SPLIT) {
                 const int t = u / PKV_SPLIT, d0 = (u % PKV_SPLIT) * PKV_SEGMENT;
                 const ulong row = key_row[t];
+                const int src = key_src[t];
+                if (src == PKV_KEY_POOL) {
 #if PKV_STAGE_K
-                const float k_scale = PKV_SCALE_OF(k_scales, row);
+                    const float k_scale = PKV_SCALE_OF(k_scales, row);
 #endif
 #if PKV_STAGE_V
-                const float v_scale = PKV_SCALE_OF(v_scales, row);
+                    const float v_scale = PKV_SCALE_OF(v_scales, row);
 #endif
-                PKV_UNROLL
-                for (int d = d0; d < d0 + PKV_SEGMENT; ++d) {
+                    PKV_UNROLL
+                    for (int d = d0; d < d0 + PKV_SEGMENT; ++d) {
 #if PKV_STAGE_K
-                    k_tile[t * PKV_DV + d] = PKV_VLOAD_S(d, k_pool + row) * k_scale;
+                        k_tile[t * PKV_DV + d] = PKV_VLOAD_S(d, k_pool + row) * k_scale;
 #endif
 #if PKV_STAGE_V
-                    v_tile[t * PKV_DV + d] = PKV_VLOAD_S(d, v_pool + row) * v_scale;
+                        v_tile[t * PKV_DV + d] = PKV_VLOAD_S(d, v_pool + row) * v_scale;
 #endif
+                    }
+                } else {
+                    /* masked keys (and whole-tile padding) stage zeros, so that
+                       no work-group reads a pool row the fused store may write */
+#if !PKV_SCALED
+                    const ulong in_row = src >= 0
+                        ? ((ulong)src * num_kv_heads + kv_head) * PKV_DV : 0;
+#endif
+                    PKV_UNROLL
+                    for (int d = d0; d < d0 + PKV_SEGMENT; ++d) {
+#if PKV_SCALED
+                        const pkv_vec k_new = 0.0f, v_new = 0.0f;
+#else
+                        const pkv_vec k_new = src >= 0
+                            ? pkv_round_to_storage(PKV_VLOAD_F(in_row + d, new_k)) : 0.0f;
+                        const pkv_vec v_new = src >= 0
+                            ? pkv_round_to_storage(PKV_VLOAD_F(in_row + d, new_v)) : 0.0f;
+#endif
+#if PKV_STAGE_K
+                        k_tile[t * PKV_DV + d] = k_new;
+#endif
+#if PKV_STAGE_V
+                        v_tile[t * PKV_DV + d] = v_new;
+#endif
+                    }
                 }
             }
         }
@@ -312,8 +388,9 @@ void paged_attention(__global const float* q,              /* [T, num_heads, D] 
                         const int qi = qb * PKV_QB + j;
                         if (qi < nq && t < n_keys) {
                             const float x = sums[i][j] * scale;
-                            scores[qi * PKV_CHUNK + t] =
-                                key_ok[t] && q_lo[j] <= c0 + t && c0 + t < q_hi[j]
+                            const bool seen = key_src[t] != PKV_KEY_MASKED &&
+                                q_lo[j] <= c0 + t && c0 + t < q_hi[j];
+                            scores[qi * PKV_CHUNK + t] = seen
                                 ? (soft_cap > 0.0f ? soft_cap * tanh(x / soft_cap) : x)
                                 : -INFINITY;
                         }

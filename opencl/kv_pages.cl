@@ -79,18 +79,8 @@ __kernel void scatter_kv(__global const float* k, __global const float* v,
                          __global pkv_storage* k_pool, __global pkv_storage* v_pool,
                          const int num_tokens, const int num_kv_heads, const int page_size,
                          const long num_slots) {
-    const ulong gid = get_global_id(0);
-    const ulong per_token = (ulong)num_kv_heads * PKV_DV;
-    const ulong t = gid / per_token;
-    if (t >= (ulong)num_tokens) return;
-    const int rest = (int)(gid - t * per_token);
-    const int h = rest / PKV_DV, vec = rest % PKV_DV;
-    const long slot = slot_mapping[t];
-    if (slot < 0 || slot >= num_slots) return;
-    const ulong dst = pkv_row((int)(slot / page_size), h, (int)(slot % page_size),
-                              num_kv_heads, page_size) / PKV_VW + vec;
-    PKV_VSTORE_S(PKV_VLOAD_F(gid, k), dst, k_pool);
-    PKV_VSTORE_S(PKV_VLOAD_F(gid, v), dst, v_pool);
+    pkv_scatter_vector(get_global_id(0), k, v, slot_mapping, k_pool, v_pool, num_tokens,
+                       num_kv_heads, page_size, num_slots);
 }
 
 /* k_out[i, h, :] / v_out[i, h, :] ([n, H, D] float) = the pools' rows at slots[i]. */

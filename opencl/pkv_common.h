@@ -51,6 +51,7 @@ typedef char pkv_cvec;
 #define PKV_AS_VEC as_float
 #define PKV_AS_UVEC as_uint
 #define PKV_VSTORE_HALF vstore_half
+#define PKV_VLOAD_HALF vload_half
 #define PKV_HSUM(x) (x)
 #elif PKV_VW == 2
 typedef float2 pkv_vec;
@@ -61,6 +62,7 @@ typedef char2 pkv_cvec;
 #define PKV_AS_VEC as_float2
 #define PKV_AS_UVEC as_uint2
 #define PKV_VSTORE_HALF vstore_half2
+#define PKV_VLOAD_HALF vload_half2
 #define PKV_WIDEN(h) ((uint2)((h).s0, (h).s1))
 #define PKV_HSUM(x) ((x).s0 + (x).s1)
 #elif PKV_VW == 4
@@ -72,6 +74,7 @@ typedef char4 pkv_cvec;
 #define PKV_AS_VEC as_float4
 #define PKV_AS_UVEC as_uint4
 #define PKV_VSTORE_HALF vstore_half4
+#define PKV_VLOAD_HALF vload_half4
 #define PKV_WIDEN(h) ((uint4)((h).s0, (h).s1, (h).s2, (h).s3))
 #define PKV_HSUM(x) (((x).s0 + (x).s1) + ((x).s2 + (x).s3))
 #elif PKV_VW == 8
@@ -83,6 +86,7 @@ typedef char8 pkv_cvec;
 #define PKV_AS_VEC as_float8
 #define PKV_AS_UVEC as_uint8
 #define PKV_VSTORE_HALF vstore_half8
+#define PKV_VLOAD_HALF vload_half8
 #define PKV_WIDEN(h) ((uint8)((h).s0, (h).s1, (h).s2, (h).s3, (h).s4, (h).s5, (h).s6, (h).s7))
 #define PKV_HSUM(x) ((((x).s0 + (x).s1) + ((x).s2 + (x).s3)) + \
                      (((x).s4 + (x).s5) + ((x).s6 + (x).s7)))
@@ -212,5 +216,41 @@ inline ulong pkv_row(int page, int head, int offset, int num_kv_heads, int page_
     return (((ulong)page * (ulong)num_kv_heads + (ulong)head) * (ulong)page_size
             + (ulong)offset) * (ulong)PKV_D;
 }
+
+#if !PKV_SCALED
+/* Float formats: vector `gid` of k and v ([T, H, D] float, PKV_DV vectors per
+ * row (t, h)) into the pools at slot_mapping[t]; a slot outside the pool (-1:
+ * none) skips.  The scatter kernel, and the scatter work-groups of the
+ * attention kernel, run this per work-item. */
+inline void pkv_scatter_vector(const ulong gid, __global const float* k, __global const float* v,
+                               __global const long* slot_mapping, __global pkv_storage* k_pool,
+                               __global pkv_storage* v_pool, const int num_tokens,
+                               const int num_kv_heads, const int page_size, const long num_slots) {
+    const ulong per_token = (ulong)num_kv_heads * PKV_DV;
+    const ulong t = gid / per_token;
+    if (t >= (ulong)num_tokens) return;
+    const int rest = (int)(gid - t * per_token);
+    const int h = rest / PKV_DV, vec = rest % PKV_DV;
+    const long slot = slot_mapping[t];
+    if (slot < 0 || slot >= num_slots) return;
+    const ulong dst = pkv_row((int)(slot / page_size), h, (int)(slot % page_size),
+                              num_kv_heads, page_size) / PKV_VW + vec;
+    PKV_VSTORE_S(PKV_VLOAD_F(gid, k), dst, k_pool);
+    PKV_VSTORE_S(PKV_VLOAD_F(gid, v), dst, v_pool);
+}
+
+/* A float vector rounded as the pools store it (what a store then a load gives). */
+inline pkv_vec pkv_round_to_storage(const pkv_vec x) {
+#if PKV_STORAGE == PKV_STORAGE_FLOAT16
+    /* stored and loaded through the same half*: PoCL 3.0 reads the bits back
+       as zeros when they are loaded as a ushort vector instead */
+    ushort bits[PKV_VW];
+    PKV_CAT(PKV_VSTORE_HALF, _rte)(x, 0, (__private half*)bits);
+    return PKV_VLOAD_HALF(0, (__private const half*)bits);
+#else
+    return x;
+#endif
+}
+#endif
 
 #endif

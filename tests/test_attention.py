@@ -13,6 +13,53 @@ def make(backend, *, num_layers=2, num_kv_heads=2, head_dim=32, page_size=16, nu
     return Harness(cache, num_heads=num_kv_heads * group, seed=seed)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float16", "int8"])
+def test_store_and_attention_in_any_order(backend, dtype):
+    # Every layer stored before any attention, attention in reverse order, a
+    # layer stored twice (the second write wins), gather between a store and
+    # its attention: each call sees every store made before it.
+    if dtype == "int8":
+        from test_int8 import Int8Harness
+        h = Int8Harness(pagedkv.PagedKVCache(3, 2, 32, num_pages=64, dtype=dtype,
+                                             backend=backend), num_heads=4)
+    else:
+        h = make(backend, num_layers=3, dtype=dtype, group=2)
+    c = h.cache
+    seqs = [h.add() for _ in range(2)]
+
+    def store(batch, layer, counts, record=True):
+        k, v = (h.random(sum(counts), 2, 32) for _ in range(2))
+        c.store(layer, batch, k, v)
+        if record:
+            h.record(layer, seqs, counts, k, v)
+
+    def attend(batch, layer, counts):
+        q = h.random(sum(counts), 4, 32)
+        h.compare(layer, seqs, counts, q, c.attention(layer, batch, q), {})
+
+    counts = [5, 18]
+    batch = c.append(seqs, counts)
+    store(batch, 0, counts)
+    store(batch, 1, counts, record=False)
+    store(batch, 1, counts)
+    store(batch, 2, counts)
+    for layer in (2, 1, 0):
+        attend(batch, layer, counts)
+    counts = [1, 1]
+    batch = c.append(seqs, counts)
+    store(batch, 0, counts)
+    for s in seqs:                                   # gather before the layer's attention
+        k, v = c.gather(0, s)
+        np.testing.assert_array_equal(k, h.ref.k[s][0])
+        np.testing.assert_array_equal(v, h.ref.v[s][0])
+    store(batch, 1, counts)
+    attend(batch, 0, counts)                         # with layer 1's store not yet run
+    store(batch, 2, counts)
+    attend(batch, 2, counts)
+    attend(batch, 1, counts)
+    h.check_contents()
+
+
 @pytest.mark.parametrize("page_size", [1, 7, 16, 32])
 def test_ragged_prefill_then_decode_then_chunk(backend, page_size):
     h = make(backend, page_size=page_size, group=2)

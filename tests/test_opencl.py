@@ -423,15 +423,15 @@ def test_cpu_layout_work_per_work_item_is_bounded(cl_device, head_dim, group, ro
     worst = []
     for seq_len in (rows, 2_000, 20_000, 100_000, 300_000):
         plan = _Plan(backend, Tables(seq_len), group, None)
-        items = plan.items.get()
+        items = plan.host_items
         queries = (items[:, ITEM.ROW1] - items[:, ITEM.ROW0]) * plan.group
         keys = items[:, ITEM.KEY1] - items[:, ITEM.KEY0]
         work = layout.attention_iterations(queries, keys)
         assert work.max() <= layout.max_work_item_iterations, (seq_len, work.max())
         assert keys.sum() >= seq_len * (rows == 1)              # every key is covered
         if plan.num_segments:
-            parts = np.diff(plan.seg_parts.get())
-            merge = layout.merge_iterations(queries[plan.seg_items.get()], parts)
+            parts = np.diff(plan.host_seg_parts)
+            merge = layout.merge_iterations(queries[plan.host_seg_items], parts)
             assert merge.max() <= layout.max_work_item_iterations, (seq_len, merge.max())
         worst.append(int(work.max()))
     assert max(worst[2:]) <= layout.max_work_item_iterations
@@ -609,6 +609,34 @@ def test_nothing_to_do_launches_nothing(cl_device):
     assert isinstance(on_device, cl_array.Array) and on_device.shape == (0, 4, 32)
     k, v = cache.gather(0, s)
     assert k.shape == v.shape == (0, 2, 32)
+
+
+@needs_opencl
+@pytest.mark.parametrize("dtype,fused", [("float32", True), ("float16", True), ("int8", False)])
+def test_a_decode_layer_is_one_launch(cl_device, dtype, fused):
+    # With numpy K/V, a float format's store runs in its layer's attention
+    # launch; int8 rows are quantized by their own scatter first.
+    cache = opencl_cache(cl_device, dtype=dtype)
+    backend = cache._backend
+    launches = []
+
+    def counted(kernel):
+        def call(*args, **kwargs):
+            launches.append(kernel.name)
+            return kernel(*args, **kwargs)
+        return call
+
+    backend._k_scatter = counted(backend._k_scatter)
+    backend._k_attention = counted(backend._k_attention)
+    s = cache.add_sequence()
+    rng = np.random.default_rng(0)
+    cache.store(0, cache.append([s], 20), *rng.standard_normal((2, 20, 2, 32), np.float32))
+    batch = cache.append([s], 1)
+    launches.clear()
+    cache.store(0, batch, *rng.standard_normal((2, 1, 2, 32), np.float32))
+    assert launches == ([] if fused else ["scatter_kv_int8"])
+    cache.attention(0, batch, rng.standard_normal((1, 4, 32), np.float32))
+    assert launches == ["paged_attention"] if fused else ["scatter_kv_int8", "paged_attention"]
 
 
 @needs_opencl

@@ -38,6 +38,9 @@ _MIN_PART_TOKENS = 256
 _ITEMS_PER_COMPUTE_UNIT = 8
 # Work-group size of the data-movement kernels (scatter, gather, copies).
 _COPY_WORK_GROUP = 64
+# Scatter work-groups per compute unit of an attention launch that stores the
+# step's K/V too.
+_SCATTER_GROUPS_PER_COMPUTE_UNIT = 1
 # Two buffers per layer: far more layers than any model has would only
 # exhaust the driver's object tables.
 _MAX_LAYERS = 4096
@@ -53,12 +56,13 @@ class _Plan:
 
     Attributes
     ----------
-    items : pyopencl Array, shape [num_items, ITEM.COUNT], int32
+    items : pyopencl Buffer, [num_items, ITEM.COUNT] int32
         One work-group each (``opencl/pkv_work_item.h``); ``KV_HEAD`` is the
-        head group.
-    seg_items, seg_parts : pyopencl Array, shape [num_segments] / [num_segments + 1], int32
+        head group.  ``host_items`` is the host copy (an ndarray).
+    seg_items, seg_parts : pyopencl Buffer, [num_segments] / [num_segments + 1] int32
         For ``merge_partials``: first item of each split (row block, head
-        group) and its range of partial slots.
+        group) and its range of partial slots (``host_seg_items``,
+        ``host_seg_parts``: the host copies).
     """
 
     def __init__(self, backend, tables, num_heads, sliding_window):
@@ -80,15 +84,63 @@ class _Plan:
         self.num_items = len(items)
         self.num_parts = int((items[:, ITEM.PART] >= 0).sum())
         self.num_segments = int(split.sum())
+        self.host_items = items
         self.items = backend._upload(items) if self.num_items else None
         if self.num_segments:
-            self.seg_items = backend._upload(item_offsets[:-1][split].astype(np.int32))
-            self.seg_parts = backend._upload(
-                np.concatenate([[0], np.cumsum(counts[split])]).astype(np.int32))
+            self.host_seg_items = item_offsets[:-1][split].astype(np.int32)
+            self.host_seg_parts = np.concatenate([[0], np.cumsum(counts[split])]).astype(np.int32)
+            self.seg_items = backend._upload(self.host_seg_items)
+            self.seg_parts = backend._upload(self.host_seg_parts)
+        self._backend = backend
+        self._scratch = self._output = None
+
+    def scratch(self):
+        """The partial-result buffers ``(part_acc, part_max, part_sum)``, made on first use.
+
+        Every layer of the step writes them again: the cache's queue is in
+        order, so one layer's merge has read them before the next layer's
+        attention overwrites them.
+        """
+        if self._scratch is None:
+            parts = max(self.num_parts, 1)   # an OpenCL buffer cannot be empty
+            nq, head_dim = self._backend.layout.max_queries, self._backend.head_dim
+            zeros = self._backend._zeros
+            self._scratch = (zeros(4 * parts * nq * head_dim), zeros(4 * parts * nq),
+                             zeros(4 * parts * nq))
+        return self._scratch
+
+    def output(self, num_floats):
+        """A float32 output buffer of ``num_floats`` for the layers' numpy results
+        (each is read back before the next layer's attention runs)."""
+        if self._output is None:
+            self._output = self._backend._zeros(4 * num_floats)
+        return self._output
+
+
+class _PendingStore:
+    """A ``store`` of numpy K/V not launched yet: the layer's ``attention`` runs it in
+    its own launch, and any other call launches it first (``_flush``).
+
+    ``k`` and ``v`` are private device copies made by ``store``, so the
+    caller's arrays are free at once, as with an immediate launch.
+    """
+
+    __slots__ = ("layer", "tables", "k", "v")
+
+    def __init__(self, layer, tables, k, v):
+        self.layer, self.tables, self.k, self.v = layer, tables, k, v
 
 
 class OpenCLBackend(Backend):
     """K/V pools in OpenCL buffers; scatter, gather, page copies and attention as kernels.
+
+    Commands, and what a layer of decode costs: on a CPU device (PoCL) each
+    command costs tens of microseconds of host time and of latency, as much
+    as the attention of a short decode itself.  So uploads are made with the
+    buffer (no queued write), and a ``store`` of numpy K/V waits for the
+    layer's ``attention``, whose one launch also scatters them (float
+    formats): a layer is one launch and one read.  Every other call launches
+    a waiting store first, in call order.
 
     Attributes
     ----------
@@ -145,13 +197,12 @@ class OpenCLBackend(Backend):
 
         self.queue = cl.CommandQueue(self.context, self.device,
                                      properties=cl.command_queue_properties.PROFILING_ENABLE)
-        # temporaries (uploads, outputs, partials) come from a pool: reused
-        # buffers are safe because every command goes through this in-order queue
-        self._pool = cl.tools.MemoryPool(cl.tools.ImmediateAllocator(self.queue))
+        self._copy_flags = cl.mem_flags.READ_WRITE | cl.mem_flags.COPY_HOST_PTR
         self._build_kernels(layout_overrides)
         # buffers cannot be empty: what a kernel gets for sinks or scales it does not use
         self._placeholder = self._upload(np.zeros(1, np.float32))
         self._last_events = None
+        self._pending = None   # a _PendingStore
         try:
             self._k, self._v = [], []
             self._k_scales, self._v_scales = [], []
@@ -212,6 +263,10 @@ class OpenCLBackend(Backend):
         self._copy_wg = _floor_pow2(min(
             _COPY_WORK_GROUP, self.device.max_work_item_sizes[0],
             *(k.work_group_limit(self.device) for k in pages.values())))
+        # the attention kernel stages K/V rows, where it can take the new ones
+        # from the store's input; int8 rows are quantized whole by scatter_kv_int8
+        self._fuses_store = not self.storage.scaled and self.layout.stage_k and \
+            self.layout.stage_v
 
     # -- helpers --------------------------------------------------------------------
     @property
@@ -220,10 +275,10 @@ class OpenCLBackend(Backend):
             self.num_kv_heads, self.page_size, self.head_dim)
 
     def _scales(self, layer):
-        """The layer's scale buffers as kernel arguments (placeholders for float formats)."""
+        """The layer's K and V scale buffers (placeholders for float formats)."""
         if not self.storage.scaled:
-            return dict(k_scales=self._placeholder, v_scales=self._placeholder)
-        return dict(k_scales=self._k_scales[layer], v_scales=self._v_scales[layer])
+            return self._placeholder, self._placeholder
+        return self._k_scales[layer], self._v_scales[layer]
 
     @property
     def _rows_or_vectors(self):
@@ -231,29 +286,43 @@ class OpenCLBackend(Backend):
         quantized whole by one work-item, float rows one vector per work-item."""
         return 1 if self.storage.scaled else self.head_dim // self.layout.vector_width
 
-    def _rotate(self, x):
-        """Rotate the rows of float32 device array ``x`` in place (int8 formats);
-        returns the kernel's event."""
-        rows = x.size // self.head_dim
+    def _rotate(self, x, rows):
+        """Rotate the first ``rows`` rows of float32 device buffer (or array) ``x`` in
+        place (int8 formats); returns the kernel's event."""
         return self._launch(self._k_rotate, rows, x=x, n=rows)
 
     def is_native(self, array):
         return _cl_array is not None and isinstance(array, _cl_array.Array)
 
     def _upload(self, array, dtype=None):
-        """A device copy (pyopencl Array from the pool) of a non-empty host array,
-        converted to ``dtype`` (None: its own) in the same host copy.
+        """A device copy (a pyopencl Buffer) of a non-empty host array, converted to
+        ``dtype`` (None: its own).
 
-        The transfer does not block: each blocking transfer costs a round
-        trip through the driver (about 50 us on PoCL), four of them per layer
-        before.  It reads a private host copy, so the caller may change its
-        array at once; pyopencl keeps that copy alive until the transfer ran.
+        The buffer is made with ``COPY_HOST_PTR``: the driver copies the data
+        as it creates the buffer, so no command is queued (on PoCL an
+        enqueued write costs tens of microseconds of host time, and each
+        command in a layer's chain adds latency) and the caller may change
+        its array at once.
         """
-        return _cl_array.to_device(self.queue, np.array(array, dtype=dtype, order="C", copy=True),
-                                   allocator=self._pool, async_=True)
+        host = np.ascontiguousarray(array, dtype=dtype)
+        return self._cl.Buffer(self.context, self._copy_flags, hostbuf=host)
+
+    def _zeros(self, nbytes):
+        """A new zeroed buffer of ``nbytes``.
+
+        Every buffer the backend makes is written whole as it is created:
+        Oclgrind's uninitialized-value checker keeps the record of a freed
+        buffer for the next buffer at its address, until a host write of the
+        whole buffer replaces it (a buffer created empty, as a memory pool
+        makes them, inherits the record of an upload freed before).
+        """
+        return self._cl.Buffer(self.context, self._copy_flags,
+                               hostbuf=np.zeros(max(nbytes, 1), np.uint8))
 
     def _empty(self, shape):
-        return _cl_array.empty(self.queue, shape, np.float32, allocator=self._pool)
+        """A new float32 pyopencl Array (zeros) on the cache's queue."""
+        return _cl_array.Array(self.queue, shape, np.float32,
+                               data=self._zeros(4 * int(np.prod(shape))))
 
     def _launch(self, kernel, num_work_items, *, wait_for=None, **args):
         """Run a data-movement kernel over >= ``num_work_items`` (it bounds-checks its id)."""
@@ -262,14 +331,15 @@ class OpenCLBackend(Backend):
                       **args)
 
     def _device_f32(self, x, name):
-        """``x`` as a C-contiguous float32 pyopencl Array of this context.
+        """``x`` as C-contiguous float32 device memory of this context.
 
-        numpy input is converted on the host and uploaded; a pyopencl array is
-        used in place when it is float32, else converted on the device.
+        numpy input is converted on the host and uploaded (a private Buffer);
+        a pyopencl array is used in place when it is float32, else converted
+        on the device (a new Array).
 
         Returns
         -------
-        array : pyopencl Array
+        array : pyopencl Buffer or Array
         wait_for : list of pyopencl Event
             What a kernel reading ``array`` must wait for.
         """
@@ -313,15 +383,24 @@ class OpenCLBackend(Backend):
         if os.getpid() != self._pid:
             raise RuntimeError(f"opencl backend: {FORKED_CHILD_REASON}")
 
+    def _flush(self):
+        """Launch the store that waits for its layer's attention, if any."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            self._scatter(pending.layer, pending.tables, pending.k, pending.v)
+
     def prepare_step(self, tables):
         """Upload the step's tables once (``tables.device``); every layer reuses them."""
         self._check_process()
+        self._flush()
         tables.device = {
             name: self._upload(getattr(tables, name)) if len(getattr(tables, name)) else None
-            for name in ("slot_mapping", "page_indptr", "page_indices")}
+            for name in ("slot_mapping", "page_indptr", "page_indices", "query_start",
+                         "seq_lens")}
 
     def copy_pages(self, src, dst, layers):
         self._check_process()
+        self._flush()
         if not len(src):
             return
         src_d, dst_d = self._upload(src.astype(np.int32)), self._upload(dst.astype(np.int32))
@@ -339,19 +418,28 @@ class OpenCLBackend(Backend):
 
     def store(self, layer, tables, k, v):
         self._check_process()
-        num_tokens = tables.num_tokens
-        if num_tokens == 0:
+        self._flush()
+        if tables.num_tokens == 0:
             return
         kd, k_wait = self._device_f32(k, "k")
         vd, v_wait = self._device_f32(v, "v")
-        scales = self._scales(layer) if self.storage.scaled else {}
-        event = self._launch(
-            self._k_scatter, num_tokens * self.num_kv_heads * self._rows_or_vectors,
-            wait_for=k_wait + v_wait, k=kd, v=vd, slot_mapping=tables.device["slot_mapping"],
-            k_pool=self._k[layer], v_pool=self._v[layer], num_tokens=num_tokens,
+        if self._fuses_store and isinstance(k, np.ndarray) and isinstance(v, np.ndarray):
+            self._pending = _PendingStore(layer, tables, kd, vd)
+            return
+        # device arrays: the caller may write them once this returns, so the
+        # scatter is queued now, and their next writes wait for it
+        self._hand_back(k, v, event=self._scatter(layer, tables, kd, vd, k_wait + v_wait))
+
+    def _scatter(self, layer, tables, k, v, wait_for=None):
+        """Queue the scatter of device K/V ``k``, ``v`` into layer ``layer``; its event."""
+        scales = dict(zip(("k_scales", "v_scales"), self._scales(layer))) \
+            if self.storage.scaled else {}
+        return self._launch(
+            self._k_scatter, tables.num_tokens * self.num_kv_heads * self._rows_or_vectors,
+            wait_for=wait_for, k=k, v=v, slot_mapping=tables.device["slot_mapping"],
+            k_pool=self._k[layer], v_pool=self._v[layer], num_tokens=tables.num_tokens,
             num_kv_heads=self.num_kv_heads, page_size=self.page_size,
             num_slots=self.layer_pages[layer] * self.page_size, **scales)
-        self._hand_back(k, v, event=event)
 
     def _hand_back(self, *arrays, event):
         """Order the caller's later writes to its pyopencl ``arrays`` after ``event``
@@ -375,52 +463,88 @@ class OpenCLBackend(Backend):
         plan = tables.plan(self._plan, q.shape[1], spec.sliding_window)
         result = out
         if plan.num_items == 0:   # no new tokens: nothing to launch (and no empty buffers)
+            self._flush()
             self._last_events = []
             zeros = np.zeros(q.shape, dtype=np.float32)
             if native:
-                return _cl_array.to_device(self.queue, zeros, allocator=self._pool)
+                return _cl_array.to_device(self.queue, zeros)
             if result is None:
                 return zeros
             result[...] = 0.0
             return result
         qd, q_wait = self._device_f32(q, "q")
+        rows = q.shape[0] * q.shape[1]
         if self.storage.rotation_block:   # rotated like the stored rows (a private copy)
             if qd is q:
                 qd = qd.copy(queue=self.queue)
-            self._rotate(qd)
+            self._rotate(qd, rows)
+        # the layer's store, if it waits, runs in this launch (taken only now
+        # that q is ready: a bad q must not lose it)
+        fused = self._pending
+        if fused is not None and fused.layer == layer and fused.tables is tables:
+            self._pending = None
+        else:
+            fused = None
+            self._flush()
         t = tables.device
-        out = self._empty(q.shape)
-        parts = max(plan.num_parts, 1)   # an OpenCL buffer cannot be empty
-        nq = self.layout.max_queries
-        part_acc = self._empty((parts, nq, self.head_dim))
-        part_max, part_sum = self._empty((parts, nq)), self._empty((parts, nq))
+        # numpy results are read back before this returns, so one buffer per
+        # plan serves every layer; a pyopencl result is the caller's to keep
+        out_d = self._empty(q.shape) if native else plan.output(rows * self.head_dim)
+        part_acc, part_max, part_sum = plan.scratch()
         sinks = self._placeholder if spec.sinks is None else self._upload(spec.sinks)
-        variant = dict(sinks=sinks, has_sinks=spec.sinks is not None)
         wg = self.layout.work_group_size
+        k_scales, v_scales = self._scales(layer)
+        store = self._fused_store_args(fused)
+        num_groups = plan.num_items + store.pop("num_groups")
         events = [self._k_attention(
-            self.queue, (plan.num_items * wg,), (wg,), wait_for=q_wait,
-            q=qd, k_pool=self._k[layer], v_pool=self._v[layer], **self._scales(layer),
-            page_indptr=t["page_indptr"],
-            page_indices=t["page_indices"], items=plan.items, group=plan.group,
+            self.queue, (num_groups * wg,), (wg,), wait_for=q_wait,
+            q=qd, k_pool=self._k[layer], v_pool=self._v[layer], k_scales=k_scales,
+            v_scales=v_scales, page_indptr=t["page_indptr"],
+            page_indices=t["page_indices"], items=plan.items, num_items=plan.num_items,
+            query_start=t["query_start"], seq_lens=t["seq_lens"],
+            num_slots=self.layer_pages[layer] * self.page_size, **store, group=plan.group,
             num_groups=plan.num_groups, sub_groups=plan.sub_groups, page_size=self.page_size,
             num_pages=self.layer_pages[layer], nnz=len(tables.page_indices), scale=spec.scale,
-            soft_cap=spec.logits_soft_cap or 0.0, out=out, part_acc=part_acc,
-            part_max=part_max, part_sum=part_sum, **variant)]
+            soft_cap=spec.logits_soft_cap or 0.0, sinks=sinks, has_sinks=spec.sinks is not None,
+            out=out_d, part_acc=part_acc, part_max=part_max, part_sum=part_sum)]
         if plan.num_segments:
             mwg = self.layout.merge_work_group_size
             events.append(self._k_merge(
                 self.queue, (plan.num_segments * mwg,), (mwg,),
                 items=plan.items, seg_items=plan.seg_items, seg_parts=plan.seg_parts,
                 part_acc=part_acc, part_max=part_max, part_sum=part_sum, group=plan.group,
-                num_groups=plan.num_groups, out=out, **variant))
+                num_groups=plan.num_groups, sinks=sinks, has_sinks=spec.sinks is not None,
+                out=out_d))
         if self.storage.rotation_block:   # the output, back from the rotated basis
-            events.append(self._rotate(out))
+            events.append(self._rotate(out_d, rows))
         self._last_events = events
-        out.add_event(events[-1])
         if native:
+            out_d.add_event(events[-1])
             self._hand_back(q, event=events[0])
-            return out
-        return out.get() if result is None else out.get(ary=result)
+            return out_d
+        if result is None:
+            result = np.empty(q.shape, np.float32)
+        self._cl.enqueue_copy(self.queue, result, out_d)
+        return result
+
+    def _fused_store_args(self, pending):
+        """The attention kernel's store arguments for ``pending`` (None: no store),
+        with ``num_groups``, its scatter work-groups."""
+        if pending is None:
+            return dict(num_groups=0, new_k=self._placeholder, new_v=self._placeholder,
+                        slot_mapping=self._placeholder, num_new_tokens=0, scatter_rows=0)
+        num_tokens = pending.tables.num_tokens
+        rows = num_tokens * self.num_kv_heads
+        vectors = self.head_dim // self.layout.vector_width
+        wg = self.layout.work_group_size
+        wanted = _SCATTER_GROUPS_PER_COMPUTE_UNIT * self.device.max_compute_units
+        # enough rows that every work-item has a vector, few enough that none
+        # loops more than the layout allows
+        most = max(1, self.layout.max_work_item_iterations * wg // vectors)
+        per_group = min(max(-(-rows // wanted), -(-wg // vectors)), most)
+        return dict(num_groups=-(-rows // per_group), new_k=pending.k, new_v=pending.v,
+                    slot_mapping=pending.tables.device["slot_mapping"],
+                    num_new_tokens=num_tokens, scatter_rows=per_group)
 
     @property
     def last_attention_kernel_seconds(self):
@@ -437,19 +561,22 @@ class OpenCLBackend(Backend):
 
     def gather(self, layer, slots):
         self._check_process()
+        self._flush()
         n = len(slots)
         k = np.empty((n, self.num_kv_heads, self.head_dim), dtype=np.float32)
         v = np.empty_like(k)
         if n == 0:
             return k, v
         slots_d = self._upload(slots.astype(np.int64))
-        kd, vd = self._empty(k.shape), self._empty(v.shape)
-        scales = self._scales(layer) if self.storage.scaled else {}
+        kd, vd = self._zeros(k.nbytes), self._zeros(v.nbytes)
+        scales = dict(zip(("k_scales", "v_scales"), self._scales(layer))) \
+            if self.storage.scaled else {}
         self._launch(self._k_gather, n * self.num_kv_heads * self._rows_or_vectors,
                      k_pool=self._k[layer], v_pool=self._v[layer], slots=slots_d, k_out=kd,
                      v_out=vd, num_slots_wanted=n, num_kv_heads=self.num_kv_heads,
                      page_size=self.page_size, num_slots=self.layer_pages[layer] * self.page_size,
                      **scales)
-        kd.get(ary=k)
-        vd.get(ary=v)
+        # one wait: the queue is in order, so the blocking read comes last
+        self._cl.enqueue_copy(self.queue, k, kd, is_blocking=False)
+        self._cl.enqueue_copy(self.queue, v, vd)
         return k, v
