@@ -91,30 +91,7 @@ class _Plan:
             self.host_seg_parts = np.concatenate([[0], np.cumsum(counts[split])]).astype(np.int32)
             self.seg_items = backend._upload(self.host_seg_items)
             self.seg_parts = backend._upload(self.host_seg_parts)
-        self._backend = backend
-        self._scratch = self._output = None
-
-    def scratch(self):
-        """The partial-result buffers ``(part_acc, part_max, part_sum)``, made on first use.
-
-        Every layer of the step writes them again: the cache's queue is in
-        order, so one layer's merge has read them before the next layer's
-        attention overwrites them.
-        """
-        if self._scratch is None:
-            parts = max(self.num_parts, 1)   # an OpenCL buffer cannot be empty
-            nq, head_dim = self._backend.layout.max_queries, self._backend.head_dim
-            zeros = self._backend._zeros
-            self._scratch = (zeros(4 * parts * nq * head_dim), zeros(4 * parts * nq),
-                             zeros(4 * parts * nq))
-        return self._scratch
-
-    def output(self, num_floats):
-        """A float32 output buffer of ``num_floats`` for the layers' numpy results
-        (each is read back before the next layer's attention runs)."""
-        if self._output is None:
-            self._output = self._backend._zeros(4 * num_floats)
-        return self._output
+        self.num_partial_floats = max(self.num_parts, 1) * layout.max_queries
 
 
 class _PendingStore:
@@ -203,6 +180,7 @@ class OpenCLBackend(Backend):
         self._placeholder = self._upload(np.zeros(1, np.float32))
         self._last_events = None
         self._pending = None   # a _PendingStore
+        self._work = {}        # name -> reusable buffer (_work_buffer)
         try:
             self._k, self._v = [], []
             self._k_scales, self._v_scales = [], []
@@ -318,6 +296,20 @@ class OpenCLBackend(Backend):
         """
         return self._cl.Buffer(self.context, self._copy_flags,
                                hostbuf=np.zeros(max(nbytes, 1), np.uint8))
+
+    def _work_buffer(self, name, num_floats):
+        """The backend's reusable float32 buffer ``name`` of at least ``num_floats``.
+
+        Partial results and numpy outputs of attention live here, made anew
+        only when a step needs more than any before: zero-filling a new
+        buffer costs as much as a prefill's kernels.  The cache's queue is in
+        order, so the commands that use one step's contents have run before
+        the next step's commands write them.
+        """
+        buffer = self._work.get(name)
+        if buffer is None or buffer.size < 4 * num_floats:
+            buffer = self._work[name] = self._zeros(4 * num_floats)
+        return buffer
 
     def _empty(self, shape):
         """A new float32 pyopencl Array (zeros) on the cache's queue."""
@@ -487,10 +479,14 @@ class OpenCLBackend(Backend):
             fused = None
             self._flush()
         t = tables.device
-        # numpy results are read back before this returns, so one buffer per
-        # plan serves every layer; a pyopencl result is the caller's to keep
-        out_d = self._empty(q.shape) if native else plan.output(rows * self.head_dim)
-        part_acc, part_max, part_sum = plan.scratch()
+        # numpy results are read back before this returns, so one buffer serves
+        # every call; a pyopencl result is the caller's to keep
+        out_d = self._empty(q.shape) if native else \
+            self._work_buffer("out", rows * self.head_dim)
+        parts = plan.num_partial_floats
+        part_acc, part_max, part_sum = (self._work_buffer("part_acc", parts * self.head_dim),
+                                        self._work_buffer("part_max", parts),
+                                        self._work_buffer("part_sum", parts))
         sinks = self._placeholder if spec.sinks is None else self._upload(spec.sinks)
         wg = self.layout.work_group_size
         k_scales, v_scales = self._scales(layer)
