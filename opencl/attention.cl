@@ -149,6 +149,8 @@ typedef int pkv_sivec;
 
 /* pkv_exp (pkv_common.h) on PKV_SW lanes at once; x <= 0, -inf or NaN */
 PKV_DEFINE_EXP(pkv_exp_s, pkv_svec, pkv_sivec, PKV_AS_SVEC, PKV_AS_SIVEC)
+/* tanh on PKV_SW lanes at once (pkv_tanh.h), for the soft cap */
+PKV_DEFINE_TANH(inline, pkv_tanh_s, pkv_svec, pkv_exp_s, fabs, copysign)
 
 /* What turns an accumulator (max m, sum of weights) into the output, with a
  * sink logit (-inf: none) in the denominator: f / (sum * f + exp(sink - top)),
@@ -203,6 +205,7 @@ void paged_attention(__global const float* q,              /* [T, num_heads, D] 
 #endif
 
     const int lid = get_local_id(0);
+    const float inverse_cap = soft_cap > 0.0f ? 1.0f / soft_cap : 0.0f;
 #if !PKV_SCALED
     if (get_group_id(0) >= num_items) {
         /* a scatter work-group: rows (token, head) first_row.. of new_k / new_v */
@@ -390,9 +393,7 @@ void paged_attention(__global const float* q,              /* [T, num_heads, D] 
                             const float x = sums[i][j] * scale;
                             const bool seen = key_src[t] != PKV_KEY_MASKED &&
                                 q_lo[j] <= c0 + t && c0 + t < q_hi[j];
-                            scores[qi * PKV_CHUNK + t] = seen
-                                ? (soft_cap > 0.0f ? soft_cap * tanh(x / soft_cap) : x)
-                                : -INFINITY;
+                            scores[qi * PKV_CHUNK + t] = seen ? x : -INFINITY;
                         }
                     }
                 }
@@ -414,6 +415,11 @@ void paged_attention(__global const float* q,              /* [T, num_heads, D] 
                 /* lanes past n_keys hold no logit: zero them, so that no lane the
                    vector loads below read is uninitialised */
                 for (int t = n_keys; t < n_vec * PKV_SW; ++t) scores[qi * PKV_CHUNK + t] = 0.0f;
+                if (soft_cap > 0.0f)   /* the visible logits capped, PKV_SW at once */
+                    for (int v = 0; v < n_vec; ++v) {
+                        const pkv_svec x = s[v];
+                        s[v] = x == (pkv_svec)(-INFINITY) ? x : soft_cap * pkv_tanh_s(x * inverse_cap);
+                    }
                 const float m_old = run_max[qi];
                 pkv_svec m_vec = m_old;
                 for (int v = 0; v < n_vec; ++v) {

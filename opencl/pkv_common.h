@@ -21,6 +21,7 @@
 #define PKV_COMMON_H
 
 #include "pkv_storage.h"
+#include "pkv_tanh.h"
 
 #if !defined(PKV_STORAGE) || !defined(PKV_HEAD_DIM) || !defined(PKV_VW)
 #error "build with -DPKV_STORAGE=<pkv_storage.h number> -DPKV_HEAD_DIM=D -DPKV_VW=1|2|4|8"

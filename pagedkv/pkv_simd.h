@@ -22,7 +22,7 @@
 #include <stdint.h>
 #include "pkv_half.h"
 #include "pkv_storage.h"
-#if defined(__F16C__) || defined(__AVX512F__)
+#if defined(__F16C__) || defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -96,8 +96,17 @@ typedef int8_t pkv_bvec __attribute__((vector_size(PKV_LANES), aligned(1)));
 
 PKV_INLINE pkv_vec pkv_load(const void *x, long i, int kind) {
     if (kind == PKV_STORAGE_FLOAT32) return *(const pkv_vec *)((const float *)x + i);
-    if (kind == PKV_STORAGE_INT8)
-        return __builtin_convertvector(*(const pkv_bvec *)((const int8_t *)x + i), pkv_vec);
+    if (kind == PKV_STORAGE_INT8) {
+        /* GCC turns the generic conversion into a scalar convert per lane */
+        const int8_t *b = (const int8_t *)x + i;
+#if PKV_LANES == 16
+        return (pkv_vec)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)b)));
+#elif defined(__AVX2__)
+        return (pkv_vec)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)b)));
+#else
+        return __builtin_convertvector(*(const pkv_bvec *)b, pkv_vec);
+#endif
+    }
     const uint16_t *h = (const uint16_t *)x + i;
 #if PKV_LANES == 16
     return (pkv_vec)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)h));
@@ -384,19 +393,9 @@ static inline float pkv_exp_shifted(float *restrict s, int n, float m) {
     return total;
 }
 
-/* tanh(x): below |x| = 0.625 Cephes' odd polynomial (tanhf), above it
- * (1 - e) / (1 + e) with e = exp(-2|x|), which has no cancellation there;
- * relative error about 3e-7 either way.  Both are computed and one kept,
- * so that a loop over it vectorises. */
-PKV_INLINE float pkv_tanh(float x) {
-    const float a = __builtin_fabsf(x), z = x * x;
-    const float small = ((((-5.70498872745e-3f * z + 2.06390887954e-2f) * z
-                           - 5.37397155531e-2f) * z + 1.33314422036e-1f) * z
-                         - 3.33332819422e-1f) * z * x + x;
-    const float e = pkv_exp_nonpositive(-2.0f * a);
-    const float large = __builtin_copysignf((1.0f - e) / (1.0f + e), x);
-    return a < 0.625f ? small : large;
-}
+#include "pkv_tanh.h"
+PKV_DEFINE_TANH(PKV_INLINE, pkv_tanh, float, pkv_exp_nonpositive, __builtin_fabsf,
+                __builtin_copysignf)
 
 /* Logit soft-capping: s[i] = cap * tanh(s[i] / cap). */
 static inline void pkv_soft_cap(float *restrict s, int n, float cap) {
