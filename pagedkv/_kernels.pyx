@@ -27,17 +27,17 @@ cdef extern from "pkv_simd.h" nogil:
     pkv_prefetch pkv_prefetch_range(const void* start, long nbytes)
     void pkv_prefetch_rest(pkv_prefetch* pf)
     void pkv_scores_f32(const float* q, int nq, const float* k, int nt, int n,
-                        float* scores, int ld, pkv_prefetch* pf)
+                        float* scores, int ld, pkv_prefetch* pf, int queries)
     void pkv_scores_f16(const float* q, int nq, const uint16_t* k, int nt, int n,
-                        float* scores, int ld, pkv_prefetch* pf)
-    void pkv_accumulate4_f32(float* acc, const float* alpha, const float* p, int ld,
-                             const float* x, int nt, int n, pkv_prefetch* pf)
-    void pkv_accumulate4_f16(float* acc, const float* alpha, const float* p, int ld,
-                             const uint16_t* x, int nt, int n, pkv_prefetch* pf)
+                        float* scores, int ld, pkv_prefetch* pf, int queries)
     void pkv_scores_i8(const float* q, int nq, const int8_t* k, int nt, int n,
-                       float* scores, int ld, pkv_prefetch* pf)
-    void pkv_accumulate4_i8(float* acc, const float* alpha, const float* p, int ld,
-                            const int8_t* x, int nt, int n, pkv_prefetch* pf)
+                       float* scores, int ld, pkv_prefetch* pf, int queries)
+    void pkv_accumulate_f32(float* acc, const float* alpha, const float* p, int ld,
+                            const float* x, int nt, int n, pkv_prefetch* pf, int queries)
+    void pkv_accumulate_f16(float* acc, const float* alpha, const float* p, int ld,
+                            const uint16_t* x, int nt, int n, pkv_prefetch* pf, int queries)
+    void pkv_accumulate_i8(float* acc, const float* alpha, const float* p, int ld,
+                           const int8_t* x, int nt, int n, pkv_prefetch* pf, int queries)
     void pkv_softmax_page(float* s, int ld, int nq, int nq_padded, int nt, int64_t first_lo,
                           int64_t first_hi, int group, float soft_cap, float* run_max,
                           float* run_sum, float* alpha)
@@ -93,24 +93,26 @@ cdef inline float load(storage_t x) noexcept nogil:
 
 
 cdef inline void page_scores(const float* q, int nq, const storage_t* k, int nt, int n,
-                             float* out, int ld, pkv_prefetch* pf) noexcept nogil:
+                             float* out, int ld, pkv_prefetch* pf, int queries) noexcept nogil:
+    """out[qi * ld + t] = q[qi] . k[t]; nq a multiple of ``queries`` (1 or 4)."""
     if storage_t is float:
-        pkv_scores_f32(q, nq, k, nt, n, out, ld, pf)
+        pkv_scores_f32(q, nq, k, nt, n, out, ld, pf, queries)
     elif storage_t is uint16_t:
-        pkv_scores_f16(q, nq, k, nt, n, out, ld, pf)
+        pkv_scores_f16(q, nq, k, nt, n, out, ld, pf, queries)
     else:
-        pkv_scores_i8(q, nq, k, nt, n, out, ld, pf)
+        pkv_scores_i8(q, nq, k, nt, n, out, ld, pf, queries)
 
 
-cdef inline void page_accumulate4(float* acc, const float* alpha, const float* p, int ld,
-                                  const storage_t* x, int nt, int n,
-                                  pkv_prefetch* pf) noexcept nogil:
+cdef inline void page_accumulate(float* acc, const float* alpha, const float* p, int ld,
+                                 const storage_t* x, int nt, int n, pkv_prefetch* pf,
+                                 int queries) noexcept nogil:
+    """acc = alpha * acc + p x for ``queries`` (1 or 4) queries."""
     if storage_t is float:
-        pkv_accumulate4_f32(acc, alpha, p, ld, x, nt, n, pf)
+        pkv_accumulate_f32(acc, alpha, p, ld, x, nt, n, pf, queries)
     elif storage_t is uint16_t:
-        pkv_accumulate4_f16(acc, alpha, p, ld, x, nt, n, pf)
+        pkv_accumulate_f16(acc, alpha, p, ld, x, nt, n, pf, queries)
     else:
-        pkv_accumulate4_i8(acc, alpha, p, ld, x, nt, n, pf)
+        pkv_accumulate_i8(acc, alpha, p, ld, x, nt, n, pf, queries)
 
 
 cdef inline storage_t convert(float x, storage_t* dummy) noexcept nogil:
@@ -221,7 +223,8 @@ cdef void attend_item(const float[:, :, ::1] q,
     Leaves unnormalised ``acc`` [heads_per_item * nq4, D] and ``run_max``,
     ``run_sum`` [heads_per_item * nq4], head-major, where nq = rows * group
     queries per head are padded to nq4, a multiple of 4, with zero queries:
-    the vector primitives then always work on four queries at once.
+    the vector primitives then work on four queries at once (a lone query,
+    nq = 1, in tiles of one: its padding is never computed).
     ``scratch`` holds ``scratch_floats`` floats and ``rows`` 2 * PKV_BLOCK_KEYS
     pointers.  Items of PKV_BLOCK_MIN_QUERIES queries per head or more take
     the block path (``attend_item_blocks``); the others go page by page.
@@ -236,6 +239,9 @@ cdef void attend_item(const float[:, :, ::1] q,
     cdef int group = q.shape[1] // k_pool.shape[1]
     cdef int nq = (row1 - row0) * group
     cdef int nq4 = padded_queries(nq)
+    # a lone query (decode without GQA) in tiles of one, not padded to four
+    cdef int tile = 1 if nq == 1 else 4
+    cdef int tiled = 1 if nq == 1 else nq4
     cdef int qi, x, hh, d, j, t, t0, t1, nt, page, next_page
     cdef const float* row_scales
     cdef int64_t first_key
@@ -287,11 +293,11 @@ cdef void attend_item(const float[:, :, ::1] q,
             else:
                 next_keys = pkv_prefetch_range(NULL, 0)
                 next_values = pkv_prefetch_range(NULL, 0)
-            page_scores(queries + hh * nq4 * D, nq4, &k_pool[page, h0 + hh, t0, 0], nt, D,
-                        scores, ps, &next_keys)
+            page_scores(queries + hh * nq4 * D, tiled, &k_pool[page, h0 + hh, t0, 0], nt, D,
+                        scores, ps, &next_keys, tile)
             if storage_t is int8_t:
                 row_scales = &k_scales[page, h0 + hh, t0]
-                for qi in range(nq4):
+                for qi in range(nq):
                     for t in range(nt):
                         scores[qi * ps + t] = scores[qi * ps + t] * row_scales[t]
             # online softmax: logits become weights, zero outside each row's
@@ -300,12 +306,13 @@ cdef void attend_item(const float[:, :, ::1] q,
                              group, soft_cap, head_max, head_sum, alphas)
             if storage_t is int8_t:
                 row_scales = &v_scales[page, h0 + hh, t0]
-                for qi in range(nq4):
+                for qi in range(nq):
                     for t in range(nt):
                         scores[qi * ps + t] = scores[qi * ps + t] * row_scales[t]
-            for qi in range(0, nq4, 4):
-                page_accumulate4(head_acc + qi * D, alphas + qi, scores + qi * ps, ps,
-                                 &v_pool[page, h0 + hh, t0, 0], nt, D, &next_values)
+            for x in range(tiled // tile):
+                qi = x * tile
+                page_accumulate(head_acc + qi * D, alphas + qi, scores + qi * ps, ps,
+                                &v_pool[page, h0 + hh, t0, 0], nt, D, &next_values, tile)
             # a short page leaves part of the next one unprefetched
             pkv_prefetch_rest(&next_keys)
             pkv_prefetch_rest(&next_values)

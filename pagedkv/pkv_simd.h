@@ -136,10 +136,6 @@ PKV_INLINE float pkv_hsum(pkv_vec v) {
     return s;
 }
 
-/* Keys per score tile: a tile is 4 queries x PKV_KEYS keys, PKV_LANES
- * accumulators. */
-#define PKV_KEYS (PKV_LANES / 4)
-
 #if defined(__has_builtin)
 #if __has_builtin(__builtin_shufflevector)
 #define PKV_HAVE_SHUFFLE 1
@@ -188,41 +184,45 @@ PKV_INLINE pkv_vec pkv_transpose_sum(const pkv_vec *c) {
 
 /* scores[qi * ld + t] = dot(q[qi], k[t]) for qi < nq and t < nt.
  *
- * q: [nq, n] float32, nq a multiple of 4; k: [nt, n] rows of storage `kind`
- * float16 bits.  Tiles of 4 queries x PKV_KEYS keys keep their PKV_LANES
- * partial sums in registers, so each load of q or k feeds PKV_KEYS or 4
- * multiply-adds; one transposing sum then finishes the whole tile.  Columns
- * past the last full vector, and keys past the last full tile, take the
- * plain paths. */
+ * q: [nq, n] float32, nq a multiple of qt; k: [nt, n] rows of storage `kind`.
+ * Tiles of qt queries x PKV_LANES / qt keys keep their PKV_LANES partial sums
+ * in registers, so each load of q or k feeds several multiply-adds; one
+ * transposing sum then finishes the whole tile.  qt is 4, or 1 for a lone
+ * query (decode without GQA), which padding to 4 would make do 4 times the
+ * arithmetic.  Columns past the last full vector, and keys past the last
+ * full tile, take the plain paths. */
 PKV_INLINE void pkv_scores_any(const float *restrict q, int nq, const void *restrict k, int kind,
-                               int nt, int n, float *restrict scores, int ld, pkv_prefetch *pf_io) {
+                               int nt, int n, float *restrict scores, int ld, pkv_prefetch *pf_io,
+                               const int qt) {
     pkv_prefetch cursor = *pf_io, *pf = &cursor;  /* a local the compiler keeps in registers */
 #if PKV_VECTOR
     const int nv = n / PKV_LANES * PKV_LANES;
-    for (int qi = 0; qi < nq; qi += 4) {
-        const float *qr[4] = {q + qi * n, q + (qi + 1) * n, q + (qi + 2) * n, q + (qi + 3) * n};
+    const int keys = PKV_LANES / qt;                /* keys per tile */
+    for (int qi = 0; qi < nq; qi += qt) {
+        const float *qr[4];
+        for (int qq = 0; qq < qt; qq++) qr[qq] = q + (qi + qq) * n;
         int t = 0;
 #if defined(PKV_HAVE_SHUFFLE)
-        for (; t + PKV_KEYS <= nt; t += PKV_KEYS) {
-            pkv_vec c[PKV_LANES];                   /* c[qq * PKV_KEYS + kk] */
+        for (; t + keys <= nt; t += keys) {
+            pkv_vec c[PKV_LANES];                   /* c[qq * keys + kk] */
             for (int a = 0; a < PKV_LANES; a++) c[a] = (pkv_vec){0};
             for (int i = 0; i < nv; i += PKV_LANES) {
-                pkv_vec x[PKV_KEYS];
-                for (int kk = 0; kk < PKV_KEYS; kk++) {
+                pkv_vec x[PKV_LANES];
+                for (int kk = 0; kk < keys; kk++) {
                     x[kk] = pkv_load(k, (long)(t + kk) * n + i, kind);
                     PKV_IN_REGISTER(x[kk]);
                 }
-                for (int qq = 0; qq < 4; qq++) {
+                for (int qq = 0; qq < qt; qq++) {
                     pkv_vec qv = pkv_load(qr[qq], i, 0);
                     PKV_IN_REGISTER(qv);
-                    for (int kk = 0; kk < PKV_KEYS; kk++) c[qq * PKV_KEYS + kk] += qv * x[kk];
+                    for (int kk = 0; kk < keys; kk++) c[qq * keys + kk] += qv * x[kk];
                 }
                 pkv_prefetch_step(pf);
             }
             float sums[PKV_LANES];
             *(pkv_vec *)sums = pkv_transpose_sum(c);
             for (int a = 0; a < PKV_LANES; a++) {
-                const int qq = a / PKV_KEYS, kk = a % PKV_KEYS;
+                const int qq = a / keys, kk = a % keys;
                 float s = sums[a];
                 for (int i = nv; i < n; i++) s += qr[qq][i] * pkv_load1(k, (long)(t + kk) * n + i, kind);
                 scores[(qi + qq) * ld + t + kk] = s;
@@ -233,9 +233,9 @@ PKV_INLINE void pkv_scores_any(const float *restrict q, int nq, const void *rest
             pkv_vec c[4] = {{0}};
             for (int i = 0; i < nv; i += PKV_LANES) {
                 const pkv_vec x = pkv_load(k, (long)t * n + i, kind);
-                for (int qq = 0; qq < 4; qq++) c[qq] += pkv_load(qr[qq], i, 0) * x;
+                for (int qq = 0; qq < qt; qq++) c[qq] += pkv_load(qr[qq], i, 0) * x;
             }
-            for (int qq = 0; qq < 4; qq++) {
+            for (int qq = 0; qq < qt; qq++) {
                 float s = pkv_hsum(c[qq]);
                 for (int i = nv; i < n; i++) s += qr[qq][i] * pkv_load1(k, (long)t * n + i, kind);
                 scores[(qi + qq) * ld + t] = s;
@@ -244,6 +244,7 @@ PKV_INLINE void pkv_scores_any(const float *restrict q, int nq, const void *rest
     }
 #else
     (void)pf;
+    (void)qt;
     for (int qi = 0; qi < nq; qi++)
         for (int t = 0; t < nt; t++) {
             float s = 0.0f;
@@ -254,8 +255,9 @@ PKV_INLINE void pkv_scores_any(const float *restrict q, int nq, const void *rest
     *pf_io = cursor;
 }
 
-/* Accumulator vectors per query in one column block of pkv_accumulate4_any:
- * 4 x 4 = 16 registers of the 32 AVX-512 has, 4 x 2 of AVX2's 16. */
+/* Accumulator vectors per query in one column block of pkv_accumulate_any:
+ * 4 x 4 = 16 registers of the 32 AVX-512 has, 4 x 2 of AVX2's 16 (a lone
+ * query takes four times as many columns). */
 #if PKV_VECTOR && PKV_LANES == 16
 #define PKV_BLOCK_VECS 4
 #else
@@ -263,54 +265,58 @@ PKV_INLINE void pkv_scores_any(const float *restrict q, int nq, const void *rest
 #endif
 
 #if PKV_VECTOR
-/* Columns i0 : i0 + width * PKV_LANES of pkv_accumulate4_any (width constant
- * at each call, so that the accumulators are registers). */
+/* Columns i0 : i0 + width * PKV_LANES of pkv_accumulate_any for its qt
+ * queries (qt and width constant at each call, so that the accumulators are
+ * registers). */
 PKV_INLINE void pkv_accumulate_block(float *restrict acc, const float *restrict alpha,
                                      const float *restrict p, int ld, const void *restrict x,
-                                     int kind, int nt, int n, int i0, int width,
-                                     pkv_prefetch *pf) {
-    pkv_vec a[4][PKV_BLOCK_VECS];
-    for (int qq = 0; qq < 4; qq++)
+                                     int kind, int nt, int n, int i0, const int qt,
+                                     const int width, pkv_prefetch *pf) {
+    pkv_vec a[4 * PKV_BLOCK_VECS];              /* a[qq * width + c] */
+    for (int qq = 0; qq < qt; qq++)
         for (int c = 0; c < width; c++)
-            a[qq][c] = pkv_load(acc + qq * n, i0 + c * PKV_LANES, 0) * alpha[qq];
+            a[qq * width + c] = pkv_load(acc + qq * n, i0 + c * PKV_LANES, 0) * alpha[qq];
     for (int t = 0; t < nt; t++) {
-        pkv_vec xv[PKV_BLOCK_VECS];
+        pkv_vec xv[4 * PKV_BLOCK_VECS];
         for (int c = 0; c < width; c++) {
             xv[c] = pkv_load(x, (long)t * n + i0 + c * PKV_LANES, kind);
             PKV_IN_REGISTER(xv[c]);
         }
-        for (int qq = 0; qq < 4; qq++) {
+        for (int qq = 0; qq < qt; qq++) {
             const float w = p[qq * ld + t];
-            for (int c = 0; c < width; c++) a[qq][c] += w * xv[c];
+            for (int c = 0; c < width; c++) a[qq * width + c] += w * xv[c];
         }
         pkv_prefetch_step(pf);
     }
-    for (int qq = 0; qq < 4; qq++)
+    for (int qq = 0; qq < qt; qq++)
         for (int c = 0; c < width; c++)
-            *(pkv_vec *)(acc + qq * n + i0 + c * PKV_LANES) = a[qq][c];
+            *(pkv_vec *)(acc + qq * n + i0 + c * PKV_LANES) = a[qq * width + c];
 }
 #endif
 
-/* For query qq < 4: acc[qq * n : +n] = alpha[qq] * acc[qq * n : +n]
- *                                      + sum over t < nt of p[qq * ld + t] * x[t].
+/* For query qq < qt (4, or 1 for a lone query):
+ *     acc[qq * n : +n] = alpha[qq] * acc[qq * n : +n] + sum over t < nt of p[qq * ld + t] * x[t].
  *
  * x: [nt, n] rows of storage `kind`.  Each column block of the
- * four accumulators stays in registers across all nt rows, and each load of
- * x feeds four multiply-adds. */
-PKV_INLINE void pkv_accumulate4_any(float *restrict acc, const float *restrict alpha,
-                                    const float *restrict p, int ld, const void *restrict x,
-                                    int kind, int nt, int n, pkv_prefetch *pf_io) {
+ * accumulators stays in registers across all nt rows, and each load of
+ * x feeds qt multiply-adds. */
+PKV_INLINE void pkv_accumulate_any(float *restrict acc, const float *restrict alpha,
+                                   const float *restrict p, int ld, const void *restrict x,
+                                   int kind, int nt, int n, pkv_prefetch *pf_io, const int qt) {
     pkv_prefetch cursor = *pf_io, *pf = &cursor;  /* a local the compiler keeps in registers */
     int i0 = 0;
 #if PKV_VECTOR
+    const int wide = PKV_BLOCK_VECS * 4 / qt;
+    for (; i0 + wide * PKV_LANES <= n; i0 += wide * PKV_LANES)
+        pkv_accumulate_block(acc, alpha, p, ld, x, kind, nt, n, i0, qt, wide, pf);
     for (; i0 + PKV_BLOCK_VECS * PKV_LANES <= n; i0 += PKV_BLOCK_VECS * PKV_LANES)
-        pkv_accumulate_block(acc, alpha, p, ld, x, kind, nt, n, i0, PKV_BLOCK_VECS, pf);
+        pkv_accumulate_block(acc, alpha, p, ld, x, kind, nt, n, i0, qt, PKV_BLOCK_VECS, pf);
     for (; i0 + PKV_LANES <= n; i0 += PKV_LANES)
-        pkv_accumulate_block(acc, alpha, p, ld, x, kind, nt, n, i0, 1, pf);
+        pkv_accumulate_block(acc, alpha, p, ld, x, kind, nt, n, i0, qt, 1, pf);
 #else
     (void)pf;
 #endif
-    for (int qq = 0; qq < 4; qq++)
+    for (int qq = 0; qq < qt; qq++)
         for (int i = i0; i < n; i++) {
             float a = acc[qq * n + i] * alpha[qq];
             for (int t = 0; t < nt; t++) a += p[qq * ld + t] * pkv_load1(x, (long)t * n + i, kind);
@@ -337,20 +343,30 @@ PKV_INLINE void pkv_accumulate4_any(float *restrict acc, const float *restrict a
     }
 
 /* One pair of entry points per storage format: pkv_scores_<suffix> and
- * pkv_accumulate4_<suffix>, over rows of element type T. */
-#define PKV_SCORES_CALL(N) pkv_scores_any(q, nq, k, kind, nt, N, scores, ld, pf)
-#define PKV_ACCUMULATE_CALL(N) pkv_accumulate4_any(acc, alpha, p, ld, x, kind, nt, N, pf)
+ * pkv_accumulate_<suffix>, over rows of element type T, in tiles of
+ * `queries` queries: 4, or 1 for a lone query. */
+#define PKV_SCORES_CALL(N) pkv_scores_any(q, nq, k, kind, nt, N, scores, ld, pf, QT)
+#define PKV_ACCUMULATE_CALL(N) pkv_accumulate_any(acc, alpha, p, ld, x, kind, nt, N, pf, QT)
+#define PKV_WITH_QUERIES(call)                                                             \
+    if (queries == 1) {                                                                   \
+        enum { QT = 1 };                                                                  \
+        PKV_WITH_HEAD_DIM(call)                                                           \
+    } else {                                                                              \
+        enum { QT = 4 };                                                                  \
+        PKV_WITH_HEAD_DIM(call)                                                           \
+    }
 #define PKV_DEFINE_ENTRY_POINTS(suffix, T, storage)                                        \
     PKV_NOINLINE void pkv_scores_##suffix(const float *q, int nq, const T *k, int nt, int n, \
-                                          float *scores, int ld, pkv_prefetch *pf) {        \
+                                          float *scores, int ld, pkv_prefetch *pf,         \
+                                          int queries) {                                   \
         const int kind = storage;                                                         \
-        PKV_WITH_HEAD_DIM(PKV_SCORES_CALL)                                                  \
+        PKV_WITH_QUERIES(PKV_SCORES_CALL)                                                  \
     }                                                                                     \
-    PKV_NOINLINE void pkv_accumulate4_##suffix(float *acc, const float *alpha, const float *p, \
-                                               int ld, const T *x, int nt, int n,          \
-                                               pkv_prefetch *pf) {                         \
+    PKV_NOINLINE void pkv_accumulate_##suffix(float *acc, const float *alpha, const float *p, \
+                                              int ld, const T *x, int nt, int n,           \
+                                              pkv_prefetch *pf, int queries) {             \
         const int kind = storage;                                                         \
-        PKV_WITH_HEAD_DIM(PKV_ACCUMULATE_CALL)                                              \
+        PKV_WITH_QUERIES(PKV_ACCUMULATE_CALL)                                              \
     }
 
 PKV_DEFINE_ENTRY_POINTS(f32, float, PKV_STORAGE_FLOAT32)
