@@ -435,6 +435,11 @@ static inline void pkv_softmax_page(float *restrict s, int ld, int nq, int nq_pa
                                     int64_t first_lo, int64_t first_hi, int group,
                                     float soft_cap, float *restrict run_max,
                                     float *restrict run_sum, float *restrict alpha) {
+    /* A full page's rows are contiguous: capping all of them in one loop
+     * costs less than a short loop per query's band (keys outside the band
+     * are zeroed below either way). */
+    const int cap_rows = soft_cap > 0.0f && nt == ld;
+    if (cap_rows) pkv_soft_cap(s, nq * ld, soft_cap);
     /* Queries go in chunks of 16, so that the rescale factors of a chunk are
      * exponentiated in one vector call rather than one call per query. */
     for (int q0 = 0; q0 < nq_padded; q0 += 16) {
@@ -457,7 +462,7 @@ static inline void pkv_softmax_page(float *restrict s, int ld, int nq, int nq_pa
             }
             const int n = (int)(hi - lo);
             float *band = row + lo;
-            if (soft_cap > 0.0f) pkv_soft_cap(band, n, soft_cap);
+            if (soft_cap > 0.0f && !cap_rows) pkv_soft_cap(band, n, soft_cap);
             float m = run_max[qi];
             #pragma omp simd reduction(max:m)
             for (int t = 0; t < n; t++) m = band[t] > m ? band[t] : m;
