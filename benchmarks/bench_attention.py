@@ -12,10 +12,14 @@ The variants (float16, the decode case's heads): a windowed decode of 32 x
 of 4,096 tokens with W=512 against the full causal one; soft cap and sinks
 against the plain decode case.
 
+Each backend runs in a process of its own (PoCL's worker threads would
+take CPU from the host backend's timings).
+
     python benchmarks/bench_attention.py [--backends host,opencl] [--quick]
 """
 import argparse
 import math
+import subprocess
 import sys
 
 import numpy as np
@@ -217,7 +221,7 @@ def sgemm_rate(rng, n=2048):
     return 2 * n ** 3 / t
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--backends", default=",".join(pagedkv.available_backends()))
     parser.add_argument("--num-seqs", type=int, default=32)
@@ -232,13 +236,21 @@ def main():
     parser.add_argument("--sections", default="decode,variants,prefill",
                         help="comma-separated subset of decode, variants, prefill")
     parser.add_argument("--quick", action="store_true", help="a small case, for a smoke run")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    backends = [b for b in args.backends.split(",") if b]
+    if len(backends) > 1:
+        # one process per backend: PoCL's worker threads, once started, take
+        # CPU from the host backend's timings in the same process
+        for backend in backends:
+            print(f"## backend {backend}", flush=True)
+            subprocess.run([sys.executable, __file__, *(argv or sys.argv[1:]),
+                            "--backends", backend], check=True)
+        return 0
     if args.quick:
         args.num_seqs, args.seq_len, args.prefill_len, args.repeat, args.rounds = 4, 512, 256, 2, 1
         args.window, args.window_seq_len, args.window_prefill_len = 64, 1024, 512
     sections = set(args.sections.split(","))
     rng = np.random.default_rng(0)
-    backends = [b for b in args.backends.split(",") if b]
 
     bandwidth = read_bandwidth(repeat=args.repeat)
     B, L, hkv, hq, d = args.num_seqs, args.seq_len, 8, 32, 128
