@@ -90,11 +90,9 @@ __kernel void gather_kv(__global const pkv_storage* k_pool, __global const pkv_s
                         const int num_slots_wanted, const int num_kv_heads, const int page_size,
                         const long num_slots) {
     const ulong gid = get_global_id(0);
-    const ulong per_token = (ulong)num_kv_heads * PKV_DV;
-    const ulong i = gid / per_token;
+    int h, vec;
+    const ulong i = pkv_split_vector(gid, num_kv_heads, &h, &vec);
     if (i >= (ulong)num_slots_wanted) return;
-    const int rest = (int)(gid - i * per_token);
-    const int h = rest / PKV_DV, vec = rest % PKV_DV;
     const long slot = slots[i];
     pkv_vec kv = 0.0f, vv = 0.0f;
     if (slot >= 0 && slot < num_slots) {

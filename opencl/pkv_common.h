@@ -218,6 +218,17 @@ inline ulong pkv_row(int page, int head, int offset, int num_kv_heads, int page_
             + (ulong)offset) * (ulong)PKV_D;
 }
 
+/* Vector `gid` of a [T, H, D] float array (PKV_DV vectors per row (t, h)):
+ * returns its t, and its head and vector in *h, *vec. */
+inline ulong pkv_split_vector(const ulong gid, const int num_kv_heads, int* h, int* vec) {
+    const ulong per_token = (ulong)num_kv_heads * PKV_DV;
+    const ulong t = gid / per_token;
+    const int rest = (int)(gid - t * per_token);
+    *h = rest / PKV_DV;
+    *vec = rest % PKV_DV;
+    return t;
+}
+
 #if !PKV_SCALED
 /* Float formats: vector `gid` of k and v ([T, H, D] float, PKV_DV vectors per
  * row (t, h)) into the pools at slot_mapping[t]; a slot outside the pool (-1:
@@ -227,11 +238,9 @@ inline void pkv_scatter_vector(const ulong gid, __global const float* k, __globa
                                __global const long* slot_mapping, __global pkv_storage* k_pool,
                                __global pkv_storage* v_pool, const int num_tokens,
                                const int num_kv_heads, const int page_size, const long num_slots) {
-    const ulong per_token = (ulong)num_kv_heads * PKV_DV;
-    const ulong t = gid / per_token;
+    int h, vec;
+    const ulong t = pkv_split_vector(gid, num_kv_heads, &h, &vec);
     if (t >= (ulong)num_tokens) return;
-    const int rest = (int)(gid - t * per_token);
-    const int h = rest / PKV_DV, vec = rest % PKV_DV;
     const long slot = slot_mapping[t];
     if (slot < 0 || slot >= num_slots) return;
     const ulong dst = pkv_row((int)(slot / page_size), h, (int)(slot % page_size),

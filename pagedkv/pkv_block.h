@@ -51,6 +51,16 @@
 #define PKV_TILE_COLS 4
 #endif
 
+/* M(w) for each width w of a short last tile, 1 .. PKV_TILE_COLS - 1: the
+ * case labels of the switches that give every tile a constant width. */
+#if PKV_VECTOR && PKV_TILE_COLS == 8
+#define PKV_TAIL_WIDTHS(M) M(1) M(2) M(3) M(4) M(5) M(6) M(7)
+#elif PKV_VECTOR && PKV_TILE_COLS == 6
+#define PKV_TAIL_WIDTHS(M) M(1) M(2) M(3) M(4) M(5)
+#elif PKV_VECTOR
+#define PKV_TAIL_WIDTHS(M) M(1) M(2) M(3)
+#endif
+
 /* Unrolling the scores tile's loop four times took a tenth off its time
  * (the loop's own increments and branch are a fifth of its instructions). */
 #if defined(__clang__)
@@ -161,13 +171,7 @@ PKV_INLINE void pkv_block_scores_any(const float *restrict qt, int ld, int nqp,
         switch (nt - t) {
 #define PKV_SCORE_TAIL(w) case w: pkv_block_scores_tile(qt + q0, ld, krows + t, n, \
                                       s + (long)t * ld + q0, w); break;
-        PKV_SCORE_TAIL(1) PKV_SCORE_TAIL(2) PKV_SCORE_TAIL(3)
-#if PKV_TILE_COLS > 4
-        PKV_SCORE_TAIL(4) PKV_SCORE_TAIL(5)
-#endif
-#if PKV_TILE_COLS > 6
-        PKV_SCORE_TAIL(6) PKV_SCORE_TAIL(7)
-#endif
+        PKV_TAIL_WIDTHS(PKV_SCORE_TAIL)
 #undef PKV_SCORE_TAIL
         default: break;
         }
@@ -258,13 +262,7 @@ PKV_INLINE void pkv_block_accumulate_any(float *restrict acc, int ld, int nqp,
         switch (n - i) {
 #define PKV_ACC_TAIL(w) case w: pkv_block_accumulate_tile(acc + q0, ld, alpha + q0, p + q0, \
                                     v, vs, nt, i, w); break;
-        PKV_ACC_TAIL(1) PKV_ACC_TAIL(2) PKV_ACC_TAIL(3)
-#if PKV_TILE_COLS > 4
-        PKV_ACC_TAIL(4) PKV_ACC_TAIL(5)
-#endif
-#if PKV_TILE_COLS > 6
-        PKV_ACC_TAIL(6) PKV_ACC_TAIL(7)
-#endif
+        PKV_TAIL_WIDTHS(PKV_ACC_TAIL)
 #undef PKV_ACC_TAIL
         default: break;
         }
