@@ -63,6 +63,9 @@ class _Plan:
         For ``merge_partials``: first item of each split (row block, head
         group) and its range of partial slots (``host_seg_items``,
         ``host_seg_parts``: the host copies).
+    num_partial_floats : int
+        Rows of the partial-result buffers: partial slots x the layout's
+        queries per item (at least one slot; a buffer cannot be empty).
     """
 
     def __init__(self, backend, tables, num_heads, sliding_window):
