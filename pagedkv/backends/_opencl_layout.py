@@ -6,6 +6,8 @@ keys it takes per iteration, the register tiles, whether K/V rows are staged
 in local memory.  Nothing is fixed: a device with a smaller work-group limit
 or less local memory gets smaller values (down to 1), not a failure.
 """
+import functools
+
 import numpy as np
 
 #: Most loop iterations one work-item may run for one attention work item or
@@ -193,19 +195,31 @@ class KernelLayout:
 
         A multiple of ``chunk`` (at least one chunk) whose
         :meth:`attention_iterations` stay within ``max_work_item_iterations``.
+        ``num_queries``: an int or int array of values in ``0 .. max_queries``.
         """
-        one = self.attention_iterations(num_queries, self.chunk)
-        two = self.attention_iterations(num_queries, 2 * self.chunk)
-        per_chunk = np.maximum(two - one, 1)
-        fixed = one - per_chunk
-        chunks = (self.max_work_item_iterations - fixed) // per_chunk
-        return np.maximum(chunks, 1) * self.chunk
+        return self._limits[0][num_queries]
 
     def max_parts(self, num_queries):
-        """Most split-K parts one merge of ``num_queries`` queries may combine (at least 2)."""
-        per_part = self.merge_iterations(num_queries, 1) - self.merge_iterations(num_queries, 0)
-        fixed = self.merge_iterations(num_queries, 0)
-        return np.maximum((self.max_work_item_iterations - fixed) // np.maximum(per_part, 1), 2)
+        """Most split-K parts one merge of ``num_queries`` queries may combine (at least 2).
+
+        ``num_queries`` as for :meth:`max_item_keys`.
+        """
+        return self._limits[1][num_queries]
+
+    @functools.cached_property
+    def _limits(self):
+        """:meth:`max_item_keys` and :meth:`max_parts` of every query count a
+        work-group can hold, as two lookup tables: every step plans with them,
+        and their models cost a dozen numpy calls each."""
+        nq = np.arange(self.max_queries + 1)
+        one = self.attention_iterations(nq, self.chunk)
+        per_chunk = np.maximum(self.attention_iterations(nq, 2 * self.chunk) - one, 1)
+        chunks = (self.max_work_item_iterations - (one - per_chunk)) // per_chunk
+        item_keys = np.maximum(chunks, 1) * self.chunk
+        fixed = self.merge_iterations(nq, 0)
+        per_part = np.maximum(self.merge_iterations(nq, 1) - fixed, 1)
+        parts = np.maximum((self.max_work_item_iterations - fixed) // per_part, 2)
+        return item_keys, parts
 
     @property
     def split(self):

@@ -80,13 +80,18 @@ class KernelCall:
         self._lock = threading.Lock()
 
     def __call__(self, queue, global_size, local_size, *, wait_for=None, **args):
-        if args.keys() != self._arg_set:
+        try:
+            values = [args[name] for name in self.arg_names]
+        except KeyError:
+            values = None
+        if values is None or len(args) != len(values):
             missing = sorted(self._arg_set - set(args))
             extra = sorted(set(args) - self._arg_set)
             raise TypeError(f"kernel {self.name}: missing arguments {missing}, unknown {extra}")
-        values = [args[name] for name in self.arg_names]
+        buffer = self._cl.Buffer
         for i in self._buffer_args:   # a pyopencl Array passes its buffer
-            values[i] = getattr(values[i], "data", values[i])
+            if not isinstance(values[i], buffer):
+                values[i] = values[i].data
         with self._lock:
             self.kernel.set_args(*values)
             return self._cl.enqueue_nd_range_kernel(queue, self.kernel, global_size, local_size,
