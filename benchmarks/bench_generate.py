@@ -6,7 +6,9 @@ size: over ``pagedkv.PagedKVCache`` on each backend, and over
 sequence gets a preallocated ``max_len`` slot of K and V per layer and
 attention is NumPy.  Only the KV hook differs, so the ratio isolates what
 paging costs (or saves).  Rounds of decode steps alternate between the two
-engines (machines are noisy) and the best round counts; each backend runs
+engines (machines are noisy): the table gives each engine's best round and,
+less sensitive to the machine's drift, the median over rounds of the ratio
+within a round (the two engines ran back to back); each backend runs
 in its own process beside its own contiguous baseline, so the backends'
 thread pools never compete.
 
@@ -227,7 +229,14 @@ def check_same_tokens(model, kinds, *, page_size, max_len):
 
 
 def bench_batch(model, kinds, *, batch, prompt_len, decode_steps, rounds, page_size, max_len):
-    """Best decode tokens/s of each engine at one batch size, rounds interleaved."""
+    """Decode tokens/s of each engine at one batch size, rounds interleaved.
+
+    Returns
+    -------
+    dict
+        ``{kind: {"tokens_per_second": best round, "round_rates": [tokens/s of
+        each round], "reserved": KV bytes}}``.
+    """
     rng = np.random.default_rng(batch)
     prompts = [rng.integers(0, model.config.vocab_size, prompt_len).tolist()
                for _ in range(batch)]
@@ -242,16 +251,16 @@ def bench_batch(model, kinds, *, batch, prompt_len, decode_steps, rounds, page_s
             engine.step()
         engine.step()                                     # a first all-decode step, untimed
         engines[kind] = engine
-    best = {kind: 0.0 for kind in kinds}
+    rates = {kind: [] for kind in kinds}                  # tokens/s of each round
     for _ in range(rounds):
         for kind, engine in engines.items():
             start = time.perf_counter()
             for _ in range(decode_steps):
                 engine.step()
-            seconds = time.perf_counter() - start
-            best[kind] = max(best[kind], batch * decode_steps / seconds)
+            rates[kind].append(batch * decode_steps / (time.perf_counter() - start))
     # The paged pool is sized to the workload, the contiguous cache to max_len per sequence.
-    return {kind: dict(tokens_per_second=best[kind], reserved=engine.cache.memory_bytes)
+    return {kind: dict(tokens_per_second=max(rates[kind]), round_rates=rates[kind],
+                       reserved=engine.cache.memory_bytes)
             for kind, engine in engines.items()}
 
 
@@ -262,7 +271,8 @@ def measure(args, backend):
     -------
     dict
         ``{"model": name, "batches": {batch: {kind: {"tokens_per_second",
-        "reserved"}}}}`` with kinds ``backend`` and ``"contiguous"``.
+        "round_rates", "reserved"}}}}`` with kinds ``backend`` and ``"contiguous"``
+        (see :func:`bench_batch`).
     """
     kinds = [backend, "contiguous"]
     with blas_threads(args.blas_threads or None):
@@ -307,7 +317,7 @@ def main(argv=None):
     parser.add_argument("--batch-sizes", default="1,8,32")
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--decode-steps", type=int, default=8, help="steps per timed round")
-    parser.add_argument("--rounds", type=int, default=5, help="timed rounds per engine (best)")
+    parser.add_argument("--rounds", type=int, default=5, help="timed rounds per engine (best and paired median)")
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--max-len", type=int, default=2048,
                         help="tokens the contiguous cache reserves per sequence (default 2048)")
@@ -341,20 +351,24 @@ def main(argv=None):
     for batch in args.batch_sizes:
         for backend, run in runs.items():
             paged, base = run["batches"][batch][backend], run["batches"][batch]["contiguous"]
+            paired = np.median(np.divide(paged["round_rates"], base["round_rates"]))
             rows.append([str(batch), backend, f"{paged['tokens_per_second']:.1f}",
                          f"{base['tokens_per_second']:.1f}",
                          f"{paged['tokens_per_second'] / base['tokens_per_second']:.2f}x",
+                         f"{paired:.2f}x",
                          f"{paged['reserved'] / _MIB:.1f}", f"{base['reserved'] / _MIB:.1f}",
                          f"{paged['reserved'] / base['reserved']:.3f}"])
     name = next(iter(runs.values()))["model"]
     print(f"Decode throughput of one engine over pagedkv vs over a contiguous NumPy KV cache "
-          f"({name}): prompts of {args.prompt_len} tokens, best of {args.rounds} rounds x "
+          f"({name}): prompts of {args.prompt_len} tokens, {args.rounds} rounds x "
           f"{args.decode_steps} decode steps, rounds alternating between the two caches in one "
-          f"process per backend; page_size {args.page_size}, contiguous slots of "
+          f"process per backend (tok/s: the best round; median round ratio: the median of "
+          f"the rounds' paged/contiguous); page_size {args.page_size}, contiguous slots of "
           f"{args.max_len} tokens, BLAS threads {args.blas_threads or 'default'}. Greedy "
           f"tokens checked equal across the two.\n")
     print(fmt_table(["batch", "backend", "paged tok/s", "contiguous tok/s", "paged/contiguous",
-                     "paged KV MiB", "contiguous KV MiB", "memory ratio"], rows))
+                     "median round ratio", "paged KV MiB", "contiguous KV MiB", "memory ratio"],
+                    rows))
     return 0
 
 
