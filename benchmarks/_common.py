@@ -1,10 +1,13 @@
-"""Helpers shared by the benchmarks: timing and the machine's read bandwidth.
+"""Helpers shared by the benchmarks: timing, the machine's read bandwidth, one
+process per backend.
 
 Machines are noisy, so every benchmark reports ratios measured in one run:
 against the bandwidth this script measures on the spot, and against a
 contiguous baseline on the same data.
 """
 import os
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -43,6 +46,28 @@ def read_bandwidth(nbytes=1 << 30, repeat=7):
         t_par = best_seconds(parallel_sum, repeat=repeat)
     t_one = best_seconds(lambda: np.sum(data), repeat=repeat)
     return nbytes / min(t_par, t_one)
+
+
+def run_each_backend_alone(script, argv, backends):
+    """Run ``script`` once per backend, each in a fresh interpreter, when there are several.
+
+    PoCL's worker threads, once started, take CPU from the host backend's
+    timings in the same process, so each backend is timed alone.  The child
+    gets ``argv`` followed by ``--backends <one>`` (its last ``--backends``
+    wins).
+
+    Returns
+    -------
+    bool
+        True when the children ran (the caller is done), False when
+        ``backends`` has one backend (the caller measures it itself).
+    """
+    if len(backends) < 2:
+        return False
+    for backend in backends:
+        print(f"## backend {backend}", flush=True)
+        subprocess.run([sys.executable, script, *argv, "--backends", backend], check=True)
+    return True
 
 
 def fmt_table(header, rows):

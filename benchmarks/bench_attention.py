@@ -19,13 +19,12 @@ take CPU from the host backend's timings).
 """
 import argparse
 import math
-import subprocess
 import sys
 
 import numpy as np
 
 import pagedkv
-from _common import best_seconds, fmt_table, read_bandwidth
+from _common import best_seconds, fmt_table, read_bandwidth, run_each_backend_alone
 
 try:
     import torch
@@ -238,13 +237,7 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true", help="a small case, for a smoke run")
     args = parser.parse_args(argv)
     backends = [b for b in args.backends.split(",") if b]
-    if len(backends) > 1:
-        # one process per backend: PoCL's worker threads, once started, take
-        # CPU from the host backend's timings in the same process
-        for backend in backends:
-            print(f"## backend {backend}", flush=True)
-            subprocess.run([sys.executable, __file__, *(argv or sys.argv[1:]),
-                            "--backends", backend], check=True)
+    if run_each_backend_alone(__file__, argv or sys.argv[1:], backends):
         return 0
     if args.quick:
         args.num_seqs, args.seq_len, args.prefill_len, args.repeat, args.rounds = 4, 512, 256, 2, 1

@@ -223,7 +223,7 @@ def check_same_tokens(model, kinds, *, page_size, max_len):
                              max_len=max_len)
         results[kind] = engine.generate(prompts, max_new_tokens=8)
     first = next(iter(results.values()))
-    for kind, tokens in results.items():
+    for tokens in results.values():
         if tokens != first:
             sys.exit(f"bench_generate: greedy tokens differ between engines: {results}")
 

@@ -15,6 +15,8 @@ page size and dtype; only ``layer_windows`` differs.
   stored directly (what a prefill would leave), then each timed step appends
   one token per sequence, runs the whole forward pass and rolls back.
 
+Each backend runs in its own process.
+
     python benchmarks/bench_windows.py [--backends host,opencl] [--quick]
 """
 import argparse
@@ -23,7 +25,7 @@ import sys
 import numpy as np
 
 import pagedkv
-from _common import best_seconds, fmt_table
+from _common import best_seconds, fmt_table, run_each_backend_alone
 from pagedkv.models.engine import paged_attend
 from pagedkv.models.gemma import GemmaConfig, GemmaModel, gemma3_layer_windows
 from pagedkv.models.threads import blas_threads
@@ -151,6 +153,8 @@ def main():
         args.repeat = 2
     rng = np.random.default_rng(0)
     backends = [b for b in args.backends.split(",") if b]
+    if run_each_backend_alone(__file__, sys.argv[1:], backends):
+        return 0
     sections = set(args.sections.split(","))
     model, weights = gemma3_model()
     config = model.config
