@@ -67,9 +67,10 @@ def test_variants_with_float16_storage(backend, name):
     prefill_decode_chunk(h, **variants(8, 7)[name])
 
 
-@pytest.mark.parametrize("window", [64, 300, 1000])
+@pytest.mark.parametrize("window", [64, 300, 1000, 2000])
 def test_split_k_long_context_with_windows(backend, window):
     # one sequence of 5,000 tokens: decode and a chunk take the split-K path
+    # (on the host, a decode step over 2,000 keys is work enough for threads)
     h = make(backend, num_kv_heads=1, group=4, page_size=16, num_pages=400)
     s = h.add()
     h.step([s], 4999, check=False)

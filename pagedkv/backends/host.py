@@ -150,40 +150,47 @@ class HostBackend(Backend):
         An item covers as many KV heads as the query budget allows while the
         batch still has enough items for every thread: one item then streams
         whole pages (all heads contiguous) instead of one head's slice at a
-        stride, which is what decode speed depends on.
+        stride, which is what decode speed depends on.  A step too small for
+        more than one thread (``_PARALLEL_MIN_WORK``) is planned for one:
+        whole pages, no split key ranges.
         """
         group = num_heads // self.num_kv_heads
         rows_per_block = max(1, _QUERIES_PER_ITEM // group)
         num_rows = np.diff(tables.query_start)
+        # every row's keys at most: its sequence, or its window and the step's rows
+        keys = tables.seq_lens if sliding_window is None else \
+            np.minimum(tables.seq_lens, sliding_window + num_rows)
+        threads = _threads_for(int((num_rows * keys).sum()) * num_heads * self.head_dim,
+                               self.num_threads)
         longest = int(num_rows.max(initial=0))
         if min(longest, rows_per_block) * group >= _kernels.BLOCK_MIN_QUERIES:
-            rows_per_block = self._block_rows(num_rows, group, rows_per_block)
+            rows_per_block = self._block_rows(num_rows, group, rows_per_block, threads)
         num_blocks = int((-(-num_rows // rows_per_block)).sum())
         heads_per_item = 1
         for heads in range(self.num_kv_heads, 0, -1):
             if self.num_kv_heads % heads == 0 and \
                     heads * min(longest, rows_per_block) * group <= _QUERIES_PER_ITEM and \
-                    num_blocks * (self.num_kv_heads // heads) >= 4 * self.num_threads:
+                    (threads == 1 or num_blocks * (self.num_kv_heads // heads) >= 4 * threads):
                 heads_per_item = heads
                 break
         items, item_offsets = plan_attention(
             tables.query_start, tables.seq_lens, num_kv_heads=self.num_kv_heads,
             page_size=self.page_size, rows_per_block=rows_per_block,
-            target_items=4 * self.num_threads, min_part_tokens=_MIN_PART_TOKENS,
+            target_items=4 * threads if threads > 1 else 1, min_part_tokens=_MIN_PART_TOKENS,
             heads_per_item=heads_per_item, sliding_window=sliding_window)
         rows = items[:, ITEM.ROW1] - items[:, ITEM.ROW0]
         keys = items[:, ITEM.KEY1] - items[:, ITEM.KEY0]
         work = int((rows * keys).sum()) * heads_per_item * group * self.head_dim
         return _HostPlan(items, item_offsets, heads_per_item, int(rows.max(initial=0)),
-                         _threads_for(work, self.num_threads))
+                         _threads_for(work, threads))
 
-    def _block_rows(self, num_rows, group, rows_per_block):
+    def _block_rows(self, num_rows, group, rows_per_block, threads):
         """Query rows per item when the rows are many (block path): as many as
-        L2 holds, halved while the items would be too few for the threads."""
+        L2 holds, halved while the items would be too few for ``threads``."""
         most = max(rows_per_block, _BLOCK_ITEM_FLOATS // (2 * self.head_dim * group))
         while most > rows_per_block and \
                 (-(-num_rows // most)).sum() * self.num_kv_heads < \
-                _BLOCK_ITEMS_PER_THREAD * self.num_threads:
+                _BLOCK_ITEMS_PER_THREAD * threads:
             most = max(rows_per_block, most // 2)
         return most
 
