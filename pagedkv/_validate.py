@@ -4,6 +4,7 @@ import numbers
 import numpy as np
 
 from pagedkv._arrays import to_numpy
+from pagedkv._ints import int64_from_list
 from pagedkv.errors import ArgumentTypeError, UnknownSequenceError
 
 
@@ -20,6 +21,7 @@ def check_int(name, value, *, minimum=None, maximum=None):
 
 
 _BOOL_TYPES = frozenset((bool, np.bool_))
+_INT64_MIN, _INT64_MAX = -2**63, 2**63 - 1
 
 
 def check_int_vector(name, value, *, length=None, minimum=None):
@@ -28,9 +30,17 @@ def check_int_vector(name, value, *, length=None, minimum=None):
     The result is always a private copy: later changes to the caller's array
     (from a callback, or another thread) cannot reach what was validated.
     """
+    if type(value) is int and length is not None and _INT64_MIN <= value <= _INT64_MAX:
+        if minimum is not None and value < minimum:
+            raise ValueError(f"{name}: expected every entry >= {minimum}, got {value}")
+        return np.full(length, value, dtype=np.int64)
+    # a list of plain ints (what engines pass every step) in one C pass, already a copy
+    arr = int64_from_list(value) if type(value) is list else None
+    if arr is not None:
+        value = arr
     # numpy would take a bool in a list of ints as 0 or 1; map(type, ...) runs in
     # C (a generator of isinstance calls cost 45 us for 256 sequence ids)
-    if isinstance(value, (list, tuple)) and not _BOOL_TYPES.isdisjoint(map(type, value)):
+    elif isinstance(value, (list, tuple)) and not _BOOL_TYPES.isdisjoint(map(type, value)):
         raise ArgumentTypeError(f"{name}: expected ints, got a bool in {value!r}"[:200])
     try:
         arr = np.asarray(value)

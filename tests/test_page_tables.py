@@ -80,3 +80,18 @@ def test_shared_page_written_by_all_holders_copies_only_as_needed():
     assert cache.num_free_pages == 6
     assert len({int(cache.page_ids(a)[0]), int(cache.page_ids(b)[0])}) == 2
     assert batch.slot_mapping[0] // 4 != batch.slot_mapping[1] // 4
+
+
+@pytest.mark.parametrize("as_given", [
+    list, tuple, np.array,
+    lambda ids: [np.int64(i) for i in ids],
+    lambda ids: [int(i) for i in ids[:1]] + [np.int32(i) for i in ids[1:]],   # mixed
+])
+def test_append_takes_ids_and_counts_in_any_int_form(as_given):
+    # plain-int lists take a C path, the rest numpy's: the tables must not differ
+    def tables(convert):
+        cache = pagedkv.PagedKVCache(1, 1, 8, num_pages=16, page_size=4, backend="host")
+        seqs = [cache.add_sequence() for _ in range(3)]
+        batch = cache.append(convert(seqs), convert([5, 1, 7]))
+        return batch.slot_mapping.tolist(), batch.page_indptr.tolist(), batch.seq_ids.tolist()
+    assert tables(as_given) == tables(list)
