@@ -134,6 +134,26 @@ def test_float16_device_arrays_convert(grind, layout):
     grind.assert_clean()
 
 
+@pytest.mark.parametrize("dtype", ["float32", "int8"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_device_arrays_attention(grind, layout, dtype):
+    # q, K/V and the output as pyopencl arrays: the output buffer starts
+    # uninitialized, the kernels must write all of it (int8 rotates it in place)
+    import pyopencl.array as cl_array
+    cache = grind.cache(layout, dtype)
+    queue = cache._backend.queue
+    rng = np.random.default_rng(3)
+    s = cache.add_sequence()
+    for n in (6, 1):
+        batch = cache.append([s], [n])
+        k = rng.standard_normal((n, 2, 16)).astype(np.float32)
+        cache.store(0, batch, cl_array.to_device(queue, k), cl_array.to_device(queue, k))
+        q = rng.standard_normal((n, 4, 16)).astype(np.float32)
+        out = cache.attention(0, batch, cl_array.to_device(queue, q)).get()
+        np.testing.assert_allclose(out, cache.attention(0, batch, q), rtol=0, atol=0)
+    grind.assert_clean()
+
+
 VARIANTS = {
     "causal": {},
     "window": dict(sliding_window=5),

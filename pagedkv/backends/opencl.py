@@ -14,6 +14,7 @@ step tables are uploaded once per ``append`` (``prepare_step``) and shared
 by every layer.  Every kernel checks the slots and page ids it reads against
 the pool, so even a corrupt table cannot make it touch memory out of bounds.
 """
+import functools
 import os
 
 import numpy as np
@@ -97,6 +98,21 @@ class _Plan:
         self.num_partial_floats = max(self.num_parts, 1) * layout.max_queries
 
 
+def _zeroed_buffer(context, nbytes):
+    """A new zeroed buffer of ``nbytes`` in ``context``; as a pyopencl allocator,
+    what the backend's arrays allocate with.
+
+    Every buffer the backend makes is written whole as it is created:
+    Oclgrind's uninitialized-value checker keeps the record of a freed
+    buffer for the next buffer at its address, until a host write of the
+    whole buffer replaces it (a buffer created empty, as a memory pool
+    makes them, inherits the record of an upload freed before).
+    """
+    import pyopencl as cl
+    return cl.Buffer(context, cl.mem_flags.READ_WRITE | cl.mem_flags.COPY_HOST_PTR,
+                     hostbuf=np.zeros(max(nbytes, 1), np.uint8))
+
+
 class _PendingStore:
     """A ``store`` of numpy K/V not launched yet: the layer's ``attention`` runs it in
     its own launch, and any other call launches it first (``_flush``).
@@ -178,6 +194,7 @@ class OpenCLBackend(Backend):
         self.queue = cl.CommandQueue(self.context, self.device,
                                      properties=cl.command_queue_properties.PROFILING_ENABLE)
         self._copy_flags = cl.mem_flags.READ_WRITE | cl.mem_flags.COPY_HOST_PTR
+        self._zeros = functools.partial(_zeroed_buffer, self.context)
         self._build_kernels(layout_overrides)
         # buffers cannot be empty: what a kernel gets for sinks or scales it does not use
         self._placeholder = self._upload(np.zeros(1, np.float32))
@@ -287,18 +304,6 @@ class OpenCLBackend(Backend):
         """
         host = np.ascontiguousarray(array, dtype=dtype)
         return self._cl.Buffer(self.context, self._copy_flags, hostbuf=host)
-
-    def _zeros(self, nbytes):
-        """A new zeroed buffer of ``nbytes``.
-
-        Every buffer the backend makes is written whole as it is created:
-        Oclgrind's uninitialized-value checker keeps the record of a freed
-        buffer for the next buffer at its address, until a host write of the
-        whole buffer replaces it (a buffer created empty, as a memory pool
-        makes them, inherits the record of an upload freed before).
-        """
-        return self._cl.Buffer(self.context, self._copy_flags,
-                               hostbuf=np.zeros(max(nbytes, 1), np.uint8))
 
     def _work_buffer(self, name, num_floats):
         """The backend's reusable float32 buffer ``name`` of at least ``num_floats``.
@@ -483,8 +488,9 @@ class OpenCLBackend(Backend):
             self._flush()
         t = tables.device
         # numpy results are read back before this returns, so one buffer serves
-        # every call; a pyopencl result is the caller's to keep
-        out_d = self._empty(q.shape) if native else \
+        # every call; a pyopencl result is the caller's to keep (made like the
+        # float32 q: pyopencl's own constructor costs some 50 us)
+        out_d = _cl_array.empty_like(qd, queue=self.queue, allocator=self._zeros) if native else \
             self._work_buffer("out", rows * self.head_dim)
         parts = plan.num_partial_floats
         part_acc, part_max, part_sum = (self._work_buffer("part_acc", parts * self.head_dim),
