@@ -1,10 +1,11 @@
-"""Helpers shared by the benchmarks: timing, the machine's read bandwidth, one
-process per backend.
+"""Helpers shared by the benchmarks: timing, the machine's read bandwidth, the
+``--backends`` option and one process per backend.
 
 Machines are noisy, so every benchmark reports ratios measured in one run:
 against the bandwidth this script measures on the spot, and against a
 contiguous baseline on the same data.
 """
+import argparse
 import os
 import subprocess
 import sys
@@ -12,6 +13,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
+
+import pagedkv
 
 
 def best_seconds(fn, *, repeat=7, warmup=2):
@@ -46,6 +49,16 @@ def read_bandwidth(nbytes=1 << 30, repeat=7):
         t_par = best_seconds(parallel_sum, repeat=repeat)
     t_one = best_seconds(lambda: np.sum(data), repeat=repeat)
     return nbytes / min(t_par, t_one)
+
+
+def backends_parser(doc):
+    """An argument parser that prints ``doc`` (a script's docstring) as its help,
+    with ``--backends`` (comma-separated; default: every available one)."""
+    parser = argparse.ArgumentParser(description=doc,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--backends", default=",".join(pagedkv.available_backends()),
+                        help="comma-separated pagedkv backends (default: every available one)")
+    return parser
 
 
 def run_each_backend_alone(script, argv, backends):

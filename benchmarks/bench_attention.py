@@ -17,14 +17,13 @@ take CPU from the host backend's timings).
 
     python benchmarks/bench_attention.py [--backends host,opencl] [--quick]
 """
-import argparse
 import math
 import sys
 
 import numpy as np
 
 import pagedkv
-from _common import best_seconds, fmt_table, read_bandwidth, run_each_backend_alone
+from _common import backends_parser, best_seconds, fmt_table, read_bandwidth, run_each_backend_alone
 
 try:
     import torch
@@ -221,8 +220,7 @@ def sgemm_rate(rng, n=2048):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--backends", default=",".join(pagedkv.available_backends()))
+    parser = backends_parser(__doc__)
     parser.add_argument("--num-seqs", type=int, default=32)
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--prefill-len", type=int, default=2048)

@@ -27,7 +27,7 @@ import time
 import numpy as np
 
 import pagedkv
-from _common import fmt_table
+from _common import backends_parser, fmt_table
 from pagedkv.errors import OutOfPagesError
 from pagedkv.models.engine import Engine
 from pagedkv.models.llama import LlamaConfig, LlamaModel, LlamaWeights
@@ -310,10 +310,7 @@ def measure_in_subprocess(args, backend):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--backends", default=",".join(pagedkv.available_backends()),
-                        help="comma-separated pagedkv backends (default: every available one)")
+    parser = backends_parser(__doc__)
     parser.add_argument("--batch-sizes", default="1,8,32")
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--decode-steps", type=int, default=8, help="steps per timed round")

@@ -19,13 +19,12 @@ Each backend runs in its own process.
 
     python benchmarks/bench_windows.py [--backends host,opencl] [--quick]
 """
-import argparse
 import sys
 
 import numpy as np
 
 import pagedkv
-from _common import best_seconds, fmt_table, run_each_backend_alone
+from _common import backends_parser, best_seconds, fmt_table, run_each_backend_alone
 from pagedkv.models.engine import paged_attend
 from pagedkv.models.gemma import GemmaConfig, GemmaModel, gemma3_layer_windows
 from pagedkv.models.threads import blas_threads
@@ -132,9 +131,7 @@ def decode_rows(model, backend, args, rng):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--backends", default=",".join(pagedkv.available_backends()))
+    parser = backends_parser(__doc__)
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--mem-seqs", type=int, default=8)
     parser.add_argument("--mem-len", type=int, default=8192)

@@ -490,8 +490,11 @@ class OpenCLBackend(Backend):
         # numpy results are read back before this returns, so one buffer serves
         # every call; a pyopencl result is the caller's to keep (made like the
         # float32 q: pyopencl's own constructor costs some 50 us)
-        out_d = _cl_array.empty_like(qd, queue=self.queue, allocator=self._zeros) if native else \
-            self._work_buffer("out", rows * self.head_dim)
+        if native:
+            out_d = _cl_array.empty_like(qd, queue=self.queue, allocator=self._zeros)
+            out_d.allocator = None    # what pyopencl makes from it later: its default buffers
+        else:
+            out_d = self._work_buffer("out", rows * self.head_dim)
         parts = plan.num_partial_floats
         part_acc, part_max, part_sum = (self._work_buffer("part_acc", parts * self.head_dim),
                                         self._work_buffer("part_max", parts),
