@@ -42,6 +42,8 @@ class Hook:
         self.context = cache.seq_len(seqs[0])
 
     def step(self, between_layers):
+        """One decode step (then rolled back); seconds of hook per layer, the final
+        ``finish`` included.  ``between_layers()`` runs untimed before each layer."""
         batch = self.cache.append(self.seqs, [1] * len(self.seqs))
         seconds = 0.0
         for layer in range(LAYERS):
@@ -60,6 +62,8 @@ class Hook:
 
 
 def make_hooks(backend, batch, context, rng):
+    """``{name: Hook}``: the contiguous cache's, and ``backend``'s for each array kind
+    (one paged cache, ``context`` tokens stored in every layer)."""
     q = rng.standard_normal((batch, HEADS, HEAD_DIM), dtype=np.float32)
     k = rng.standard_normal((batch, KV_HEADS, HEAD_DIM), dtype=np.float32)
     hooks = {}
