@@ -79,10 +79,14 @@ def check_tensor(name, x, shape, *, native_types=()):
     first: the checks apply to that buffer, not to the object's own claims.
     ``shape`` entries are ints, or ``None`` for "any size".
     """
-    if not isinstance(x, native_types):
+    if type(x) is not np.ndarray and not isinstance(x, native_types):
         x = to_numpy(name, x)
     got = tuple(x.shape)
-    if len(got) != len(shape) or any(e is not None and e != g for e, g in zip(shape, got)):
+    if None in shape:
+        fits = len(got) == len(shape) and all(e is None or e == g for e, g in zip(shape, got))
+    else:
+        fits = got == tuple(shape)
+    if not fits:
         want = "[" + ", ".join("*" if e is None else str(e) for e in shape) + "]"
         raise ValueError(f"{name}: expected shape {want}, got {list(got)}")
     if np.dtype(x.dtype).kind != "f":
