@@ -34,7 +34,7 @@ def check_int_vector(name, value, *, length=None, minimum=None):
         if minimum is not None and value < minimum:
             raise ValueError(f"{name}: expected every entry >= {minimum}, got {value}")
         return np.full(length, value, dtype=np.int64)
-    # a list of plain ints (what engines pass every step) in one C pass, already a copy
+    # a list of plain ints (what engines pass every step) in one C pass
     arr = int64_from_list(value) if type(value) is list else None
     if arr is not None:
         value = arr

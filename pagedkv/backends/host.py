@@ -158,9 +158,9 @@ class HostBackend(Backend):
         rows_per_block = max(1, _QUERIES_PER_ITEM // group)
         num_rows = np.diff(tables.query_start)
         # every row's keys at most: its sequence, or its window and the step's rows
-        keys = tables.seq_lens if sliding_window is None else \
+        visible = tables.seq_lens if sliding_window is None else \
             np.minimum(tables.seq_lens, sliding_window + num_rows)
-        threads = _threads_for(int((num_rows * keys).sum()) * num_heads * self.head_dim,
+        threads = _threads_for(int((num_rows * visible).sum()) * num_heads * self.head_dim,
                                self.num_threads)
         longest = int(num_rows.max(initial=0))
         if min(longest, rows_per_block) * group >= _kernels.BLOCK_MIN_QUERIES:

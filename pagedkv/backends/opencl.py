@@ -98,6 +98,19 @@ class _Plan:
         self.num_partial_floats = max(self.num_parts, 1) * layout.max_queries
 
 
+def _buffer_holding(context, host):
+    """A new buffer in ``context`` created holding the bytes of ndarray ``host``.
+
+    ``COPY_HOST_PTR``: the driver copies the data as it creates the buffer,
+    so no command is queued (on PoCL an enqueued write costs tens of
+    microseconds of host time, and each command in a layer's chain adds
+    latency) and the caller may change its array at once.
+    """
+    import pyopencl as cl
+    return cl.Buffer(context, cl.mem_flags.READ_WRITE | cl.mem_flags.COPY_HOST_PTR,
+                     hostbuf=host)
+
+
 def _zeroed_buffer(context, nbytes):
     """A new zeroed buffer of ``nbytes`` in ``context``; as a pyopencl allocator,
     what the backend's arrays allocate with.
@@ -108,9 +121,7 @@ def _zeroed_buffer(context, nbytes):
     whole buffer replaces it (a buffer created empty, as a memory pool
     makes them, inherits the record of an upload freed before).
     """
-    import pyopencl as cl
-    return cl.Buffer(context, cl.mem_flags.READ_WRITE | cl.mem_flags.COPY_HOST_PTR,
-                     hostbuf=np.zeros(max(nbytes, 1), np.uint8))
+    return _buffer_holding(context, np.zeros(max(nbytes, 1), np.uint8))
 
 
 class _PendingStore:
@@ -193,7 +204,6 @@ class OpenCLBackend(Backend):
 
         self.queue = cl.CommandQueue(self.context, self.device,
                                      properties=cl.command_queue_properties.PROFILING_ENABLE)
-        self._copy_flags = cl.mem_flags.READ_WRITE | cl.mem_flags.COPY_HOST_PTR
         self._zeros = functools.partial(_zeroed_buffer, self.context)
         self._build_kernels(layout_overrides)
         # buffers cannot be empty: what a kernel gets for sinks or scales it does not use
@@ -293,17 +303,9 @@ class OpenCLBackend(Backend):
         return _cl_array is not None and isinstance(array, _cl_array.Array)
 
     def _upload(self, array, dtype=None):
-        """A device copy (a pyopencl Buffer) of a non-empty host array, converted to
-        ``dtype`` (None: its own).
-
-        The buffer is made with ``COPY_HOST_PTR``: the driver copies the data
-        as it creates the buffer, so no command is queued (on PoCL an
-        enqueued write costs tens of microseconds of host time, and each
-        command in a layer's chain adds latency) and the caller may change
-        its array at once.
-        """
-        host = np.ascontiguousarray(array, dtype=dtype)
-        return self._cl.Buffer(self.context, self._copy_flags, hostbuf=host)
+        """A device copy (a pyopencl Buffer, :func:`_buffer_holding`) of a non-empty
+        host array, converted to ``dtype`` (None: its own)."""
+        return _buffer_holding(self.context, np.ascontiguousarray(array, dtype=dtype))
 
     def _work_buffer(self, name, num_floats):
         """The backend's reusable float32 buffer ``name`` of at least ``num_floats``.
