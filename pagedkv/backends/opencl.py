@@ -350,6 +350,10 @@ class OpenCLBackend(Backend):
         if not self.is_native(x):
             raise ArgumentTypeError(f"{name}: expected a numpy or pyopencl array, "
                                     f"got {type(x).__name__}")
+        if x.queue is None:
+            raise ValueError(f"{name}: the pyopencl array has no queue, so the cache cannot "
+                             f"order its reads after the commands that write it; pass "
+                             f"{name}.with_queue(queue)")
         if x.context != self.context:
             raise ValueError(f"{name}: the pyopencl array lives in another OpenCL context than "
                              f"this cache (on {self.device.name.strip()}); copy it there first")
@@ -376,7 +380,8 @@ class OpenCLBackend(Backend):
                 raise ArgumentTypeError(
                     f"{name}: a float64 pyopencl array needs a device with cl_khr_fp64, which "
                     f"{self.device.name.strip()} lacks; convert it to float32 first")
-            return x.astype(np.float32, queue=self.queue), []
+            # on the cache's queue, which already waits for the caller's
+            return x.with_queue(self.queue).astype(np.float32), []
         raise ArgumentTypeError(f"{name}: expected float16, float32 or float64, got {x.dtype}")
 
     # -- protocol -------------------------------------------------------------------
