@@ -17,8 +17,7 @@ _QUERIES_PER_ITEM = 64
 # Items of many queries per KV head take the kernels' block path
 # (pagedkv/pkv_block.h), which reads and copies each block of keys and values
 # once per item: the more query rows an item has, the less it reads per
-# multiply-add (prefill of 2,048 tokens: 256 queries an item took a seventh
-# off the time of 64).  Its queries and accumulators, 2 x queries x head_dim
+# multiply-add.  Its queries and accumulators, 2 x queries x head_dim
 # floats, must stay in L2 with the blocks: this many floats fit a 512 KiB L2.
 _BLOCK_ITEM_FLOATS = 1 << 16
 # ...but no fewer items per thread than this, so that dynamic scheduling

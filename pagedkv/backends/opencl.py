@@ -411,12 +411,10 @@ class OpenCLBackend(Backend):
         if not len(src):
             return
         src_d, dst_d = self._upload(src.astype(np.int32)), self._upload(dst.astype(np.int32))
-        page_bytes = self.storage.element.itemsize * self._page_elems
         scale_page_bytes = 4 * self._page_elems // self.head_dim
         for layer in layers:
             pools = [(self._k[layer], self._v[layer], self._page_elems)]
             if self.storage.scaled:   # copy_pages moves bytes in int8 builds: scales too
-                assert page_bytes == self._page_elems
                 pools.append((self._k_scales[layer], self._v_scales[layer], scale_page_bytes))
             for k_pool, v_pool, elems in pools:
                 self._launch(self._k_copy, len(src) * elems, k_pool=k_pool, v_pool=v_pool,
@@ -496,7 +494,7 @@ class OpenCLBackend(Backend):
         t = tables.device
         # numpy results are read back before this returns, so one buffer serves
         # every call; a pyopencl result is the caller's to keep (made like the
-        # float32 q: pyopencl's own constructor costs some 50 us)
+        # float32 q: pyopencl's general constructor costs more than a decode layer's kernel)
         if native:
             out_d = _cl_array.empty_like(qd, queue=self.queue, allocator=self._zeros)
             out_d.allocator = None    # what pyopencl makes from it later: its default buffers
