@@ -24,7 +24,6 @@ if HAS_OPENCL:
     import pyopencl as cl
     import pyopencl.array as cl_array
 
-    from pagedkv.backends import opencl as opencl_backend
     from pagedkv.backends.schedule import ITEM
     from pagedkv.backends._opencl_program import KernelBuildError, build_program
     from pagedkv.backends.kernel_source import read_source

@@ -13,7 +13,6 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, p
 
 import pagedkv
 from prefix_model import PrefixCacheModel
-from reference import Harness
 
 H, D = 1, 4
 
