@@ -45,7 +45,8 @@ class _HostPlan:
 
 def _max_threads():
     """Cores this process may use, capped by ``OMP_NUM_THREADS`` when set."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
+        os.cpu_count() or 1
     try:
         return max(1, min(cores, int(os.environ.get("OMP_NUM_THREADS", cores))))
     except ValueError:

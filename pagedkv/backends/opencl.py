@@ -212,8 +212,10 @@ class OpenCLBackend(Backend):
         self._pending = None   # a _PendingStore
         self._work = {}        # name -> reusable buffer (_work_buffer)
         try:
-            self._k, self._v = [], []
-            self._k_scales, self._v_scales = [], []
+            self._k: list = []
+            self._v: list = []
+            self._k_scales: list = []
+            self._v_scales: list = []
             for pages in layer_pages:
                 nbytes = pages * self._page_elems * storage.element.itemsize
                 scale_bytes = pages * self._page_elems // head_dim * 4
