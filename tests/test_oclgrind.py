@@ -28,6 +28,9 @@ import pagedkv
 from reference import Harness
 from test_int8 import Int8Harness
 
+# a simulator that checks every access runs thousands of times slower than a driver
+pytestmark = pytest.mark.slow
+
 CHECKS = {
     "OCLGRIND_DATA_RACES": "1",
     "OCLGRIND_UNINITIALIZED": "1",

@@ -46,6 +46,9 @@ import pytest
 
 from pagedkv import _cpu
 
+# builds every Cython module with ASan and UBSan, then runs the host tests on it
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parent.parent
 
 # The tests that exercise the compiled modules on the host backend.
