@@ -1,6 +1,7 @@
 /* Moving K/V in and out of the page pools: scatter by slot, gather by slot,
- * whole-page copies (copy-on-write), half -> float conversion of inputs, and
- * the rotation of int8 formats' queries and outputs.
+ * whole-page copies (copy-on-write), stored rows as raw bits (export, import,
+ * swap), half -> float conversion of inputs, and the rotation of int8
+ * formats' queries and outputs.
  *
  * Float formats: one work-item per vector of PKV_VW elements; consecutive
  * work-items touch consecutive memory, so accesses coalesce on GPUs and
@@ -124,4 +125,64 @@ __kernel void copy_pages(__global pkv_bits* k_pool, __global pkv_bits* v_pool,
 __kernel void half_to_float(__global const half* src, __global float* dst, const long n) {
     const ulong i = get_global_id(0);
     if (i < (ulong)n) dst[i] = vload_half(i, src);
+}
+
+/* Stored rows as raw bits, in units of 4 bytes (_u32) or 1 byte (_u8): the pool
+ * (values or scales of any format) is [num_pages, num_kv_heads, page_size,
+ * row_units] units; rows are [num_rows, num_kv_heads, row_units], row (i, h)
+ * being head h of the token at slots[i].  One work-item per unit.  Returns
+ * the unit's offset in the pool, or -1 for a work-item past the rows or a
+ * slot outside the pool (read as zeros, never written). */
+inline long pkv_row_unit(const ulong gid, __global const long* slots, const int num_rows,
+                         const int num_kv_heads, const int page_size, const int row_units,
+                         const long num_slots) {
+    const ulong per_token = (ulong)num_kv_heads * (ulong)row_units;
+    const ulong i = gid / per_token;
+    if (i >= (ulong)num_rows) return -1;
+    const ulong rest = gid - i * per_token;
+    const long slot = slots[i];
+    if (slot < 0 || slot >= num_slots) return -1;
+    const ulong h = rest / (ulong)row_units, unit = rest % (ulong)row_units;
+    return (long)((((ulong)(slot / page_size) * (ulong)num_kv_heads + h) * (ulong)page_size
+                   + (ulong)(slot % page_size)) * (ulong)row_units + unit);
+}
+
+__kernel void read_rows_u32(__global const uint* pool, __global const long* slots,
+                            __global uint* rows, const int num_rows, const int num_kv_heads,
+                            const int page_size, const int row_units, const long num_slots) {
+    const ulong gid = get_global_id(0);
+    if (gid >= (ulong)num_rows * (ulong)num_kv_heads * (ulong)row_units) return;
+    const long at = pkv_row_unit(gid, slots, num_rows, num_kv_heads, page_size, row_units,
+                                 num_slots);
+    rows[gid] = at >= 0 ? pool[at] : 0u;
+}
+
+__kernel void write_rows_u32(__global uint* pool, __global const long* slots,
+                             __global const uint* rows, const int num_rows,
+                             const int num_kv_heads, const int page_size, const int row_units,
+                             const long num_slots) {
+    const ulong gid = get_global_id(0);
+    const long at = pkv_row_unit(gid, slots, num_rows, num_kv_heads, page_size, row_units,
+                                 num_slots);
+    if (at >= 0) pool[at] = rows[gid];
+}
+
+__kernel void read_rows_u8(__global const uchar* pool, __global const long* slots,
+                           __global uchar* rows, const int num_rows, const int num_kv_heads,
+                           const int page_size, const int row_units, const long num_slots) {
+    const ulong gid = get_global_id(0);
+    if (gid >= (ulong)num_rows * (ulong)num_kv_heads * (ulong)row_units) return;
+    const long at = pkv_row_unit(gid, slots, num_rows, num_kv_heads, page_size, row_units,
+                                 num_slots);
+    rows[gid] = at >= 0 ? pool[at] : (uchar)0;
+}
+
+__kernel void write_rows_u8(__global uchar* pool, __global const long* slots,
+                            __global const uchar* rows, const int num_rows,
+                            const int num_kv_heads, const int page_size, const int row_units,
+                            const long num_slots) {
+    const ulong gid = get_global_id(0);
+    const long at = pkv_row_unit(gid, slots, num_rows, num_kv_heads, page_size, row_units,
+                                 num_slots);
+    if (at >= 0) pool[at] = rows[gid];
 }
