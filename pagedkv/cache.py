@@ -148,6 +148,7 @@ class PagedKVCache:
             raise ArgumentTypeError(f"kv_rotation: expected a bool, got {kv_rotation!r}")
         #: The storage format (:class:`pagedkv.storage.StorageFormat`).
         self.storage = storage_format(self._check_dtype(dtype), self.head_dim, kv_rotation)
+        self.kv_rotation = kv_rotation
         self.dtype = self.storage.element
         self.max_seq_len = None if max_seq_len is None else \
             check_int("max_seq_len", max_seq_len, minimum=1, maximum=2**31 - 1)

@@ -17,14 +17,14 @@ positions its window still needs; its window pages before them are never
 taken, so a long sequence fits a small window pool.
 """
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 import numpy as np
 
 from pagedkv.backends.base import StepTables, StoredRows
 from pagedkv.backends.host import decode_rows
 from pagedkv.errors import ArgumentTypeError
-from pagedkv.storage import NAMES as STORAGE_NAMES, storage_format
+from pagedkv.storage import NAMES as STORAGE_NAMES, StorageFormat, storage_format
 
 
 @dataclass(frozen=True, eq=False)
@@ -201,6 +201,11 @@ def check_fits(cache, kv, name="kv"):
         if getattr(kv, field) != getattr(cache, field):
             raise ValueError(f"{name}.{field}: this cache has {field}={getattr(cache, field)}, "
                              f"the sequence's K/V {getattr(kv, field)}")
+    limit = min(cache.max_seq_len or 2**31 - 1, 2**31 - 1)
+    if kv.num_tokens > limit:
+        raise ValueError(f"{name}.num_tokens: {kv.num_tokens} tokens, over this cache's "
+                         + (f"max_seq_len={cache.max_seq_len}" if cache.max_seq_len
+                            else "int32 limit of the tables"))
 
 
 def window_start(cache, kv, trim=True):
@@ -300,3 +305,116 @@ def swap_in(cache, seq_id):
     cache._tables.swap_in(seq_id, start // cache.page_size,
                           lambda s: write_sequence(cache, kv, s, start))
     del cache._swapped[int(seq_id)]
+
+
+class CachedChains(NamedTuple):
+    """Cached page chains outside any cache (the prefix cache of a file).
+
+    Attributes
+    ----------
+    page_size : int
+    storage : StorageFormat
+        The format of ``rows``.
+    token_ids : ndarray, shape [N, page_size], int32
+    parents : ndarray, shape [N], int64
+        Each page's parent, an earlier page, or -1 for a prompt's first page.
+    has_window : ndarray, shape [N], bool
+        Whether the windowed layers' K/V of the page are held.
+    layer_windowed : tuple of bool, shape [num_layers]
+        Whether the layer's ``rows`` are those of the ``has_window`` pages only.
+    rows : tuple of StoredRows, shape [num_layers]
+        ``page_size`` rows per page, pages in order.
+    """
+    page_size: int
+    storage: StorageFormat
+    token_ids: np.ndarray
+    parents: np.ndarray
+    has_window: np.ndarray
+    layer_windowed: Tuple[bool, ...]
+    rows: Tuple[StoredRows, ...]
+
+
+def _recut_positions(chains, page_size):
+    """The pages of ``page_size`` tokens that the chains' token prefixes fill.
+
+    Returns
+    -------
+    node, offset : ndarray, shape [M, page_size], int64
+        Where each position of each new page comes from (a chain page, and the
+        position in it).
+    parents : ndarray, shape [M], int64
+    """
+    ps, parents = chains.page_size, chains.parents
+    depth = np.zeros(len(parents), np.int64)
+    for i, parent in enumerate(parents.tolist()):
+        depth[i] = 0 if parent < 0 else depth[parent] + 1
+    index_of = {}            # (chain page holding a new page's last position, new page) -> index
+    nodes, offsets, new_parents = [], [], []
+    for end in range(len(parents)):
+        first = int(depth[end]) * ps     # the chain page's first position
+        for j in range(-(-(first + 1) // page_size) - 1, (first + ps) // page_size):
+            node, offset = np.empty(page_size, np.int64), np.empty(page_size, np.int64)
+            at = end
+            for pos in range((j + 1) * page_size - 1, j * page_size - 1, -1):
+                while depth[at] * ps > pos:
+                    at = parents[at]
+                node[pos - j * page_size], offset[pos - j * page_size] = at, pos - depth[at] * ps
+            if j:
+                while depth[at] * ps > j * page_size - 1:
+                    at = parents[at]
+            index_of[end, j] = len(nodes)
+            new_parents.append(index_of[at, j - 1] if j else -1)
+            nodes.append(node)
+            offsets.append(offset)
+    shape = (len(nodes), page_size)
+    return (np.array(nodes, np.int64).reshape(shape), np.array(offsets, np.int64).reshape(shape),
+            np.array(new_parents, np.int64))
+
+
+def add_cached_chains(cache, chains, reserve, reserve_window):
+    """Enter ``chains`` in the cache's prefix cache, cut into its page size, converted
+    to its format; only pages whose K/V every layer here needs are held (and
+    then their descendants).  ``reserve``: pages kept free for what comes next."""
+    page_size = cache.page_size
+    if page_size == chains.page_size:
+        n = len(chains.parents)
+        node = np.repeat(np.arange(n, dtype=np.int64)[:, None], page_size, axis=1)
+        offset = np.tile(np.arange(page_size, dtype=np.int64), (n, 1))
+        parents = chains.parents
+    else:
+        node, offset, parents = _recut_positions(chains, page_size)
+    # per layer of the chains: where a page's rows start in ``rows``, -1 where it has none
+    windowed_rank = np.where(chains.has_window, np.cumsum(chains.has_window) - 1, -1)
+    full_rank = np.arange(len(chains.parents), dtype=np.int64)
+    rank = [windowed_rank if windowed else full_rank for windowed in chains.layer_windowed]
+    held = [(r[node] >= 0).all(axis=1) for r in rank]      # [num_layers] of [M] bool
+    full_layers = [layer for layer, w in enumerate(cache.layer_windows) if w is None]
+    windowed = [layer for layer, w in enumerate(cache.layer_windows) if w is not None]
+    valid = np.logical_and.reduce([held[layer] for layer in full_layers] + [np.ones(len(node),
+                                                                                     bool)])
+    has_window = np.logical_and.reduce([held[layer] for layer in windowed]) if windowed         else np.zeros(len(node), bool)
+    for i, parent in enumerate(parents.tolist()):     # a page without its parent is unreachable
+        valid[i] &= parent < 0 or valid[parent]
+    keep = np.flatnonzero(valid)
+    renumber = np.full(len(node), -1, np.int64)
+    renumber[keep] = np.arange(len(keep))
+    parents = np.where(parents[keep] >= 0, renumber[parents[keep]], -1)
+    node, offset, has_window = node[keep], offset[keep], has_window[keep]
+    if not len(keep):
+        return 0
+    rows_at = [rank[layer][node] * chains.page_size + offset for layer in range(len(rank))]
+    token_ids = np.ascontiguousarray(chains.token_ids[node, offset])
+    offsets = np.arange(page_size, dtype=np.int64)
+
+    def write(pages, window_pages):
+        for layer, window in enumerate(cache.layer_windows):
+            targets = pages if window is None else window_pages
+            chosen = np.flatnonzero(targets >= 0)
+            slots = (targets[chosen, None].astype(np.int64) * page_size + offsets).ravel()
+            at = rows_at[layer][chosen].ravel()
+            rows = StoredRows(*(None if a is None else a[at] for a in chains.rows[layer]))
+            write_rows(cache, layer, slots, rows, chains.storage)
+
+    return cache._tables.add_cached_chains(token_ids, np.ascontiguousarray(parents),
+                                           np.ascontiguousarray(has_window), write, reserve,
+                                           reserve_window)
