@@ -149,8 +149,8 @@ def run_and_collect(engine, arrivals):
         for event in engine.step():
             events[event.request_id].append(event)
         step += 1
-        # a finished request's sequence is gone at once
-        assert len(engine.cache.seq_ids()) == engine.num_running
+        # a finished request's sequence is gone at once (a swapped-out one keeps its own)
+        assert len(engine.cache.seq_ids()) == engine.num_running + len(engine.scheduler.swapped)
     return events, prompts
 
 
@@ -198,17 +198,32 @@ def test_engine_matches_dense_forward_with_chunked_prefill(backend, checkpoint, 
     assert engine.stats.decode_tokens == sum(n - 1 for n in [6, 4, 5, 3, 4, 7])
 
 
-def test_engine_preempts_and_recomputes_when_pages_run_out(backend, checkpoint, model):
-    """A pool too small for every request at once: the newest is preempted and
-    recomputed later, and every logit still matches the dense forward."""
+class NoSwapCache(RecordingCache):
+    """A cache without swap_out / swap_in: the engine preempts by recomputing."""
+
+    def __getattr__(self, name):
+        if name in ("swap_out", "swap_in"):
+            raise AttributeError(name)
+        return super().__getattr__(name)
+
+
+@pytest.mark.parametrize("swaps", [True, False], ids=["swap", "recompute"])
+def test_engine_preempts_when_pages_run_out(backend, checkpoint, model, swaps):
+    """A pool too small for every request at once: the newest is preempted (swapped
+    out to host memory and back in, or recomputed later), and every logit still
+    matches the dense forward."""
     rng = np.random.default_rng(3)
     prompts = [rng.integers(0, CONFIG.vocab_size, n).tolist() for n in (10, 7, 12)]
     cache = make_cache(backend, num_pages=9)
-    engine = Engine(model, cache, max_num_seqs=4, max_num_batched_tokens=16)
+    engine = Engine(model, cache if swaps else NoSwapCache(cache), max_num_seqs=4,
+                    max_num_batched_tokens=16)
     events, collected = run_and_collect(engine, {0: [(p, 8) for p in prompts]})
     assert engine.stats.num_preemptions > 0
+    assert engine.stats.num_swaps == (engine.stats.num_preemptions if swaps else 0)
+    # the prompts' 29 tokens: each computed once with swap, some twice with recompute
+    assert (engine.stats.prefill_tokens == 29) == swaps
     assert_matches_dense(checkpoint, events, collected)
-    assert cache.num_free_pages == cache.num_pages
+    assert cache.num_free_pages == cache.num_pages and cache.stats()["swapped_bytes"] == 0
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])

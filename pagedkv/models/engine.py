@@ -65,6 +65,9 @@ class EngineStats:
         Most pages of the full pool and of the window pool (a cache with
         windowed layers) in use right after a step's ``append``.
     peak_running, num_preemptions : int
+    num_swaps : int
+        Of the preemptions, those that swapped the request's K/V out to host
+        memory (resumed later without recomputation).
     """
     num_steps: int = 0
     prefill_tokens: int = 0
@@ -76,6 +79,7 @@ class EngineStats:
     peak_window_pages_in_use: int = 0
     peak_running: int = 0
     num_preemptions: int = 0
+    num_swaps: int = 0
     _decode_token_seconds: list = field(default_factory=list, repr=False)
     _prefill_steps: list = field(default_factory=list, repr=False)  # (prefill, decode, seconds)
 
@@ -357,6 +361,7 @@ class Engine:
         s.peak_window_pages_in_use = max(s.peak_window_pages_in_use, window_pages_in_use)
         s.peak_running = max(s.peak_running, num_running)
         s.num_preemptions = self.scheduler.num_preemptions
+        s.num_swaps = self.scheduler.num_swaps
 
     def warm_up(self):
         """Run one throwaway token through every layer, untimed and uncounted.
