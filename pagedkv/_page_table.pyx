@@ -824,7 +824,7 @@ cdef class PageTables:
         """``adopt`` and ``swap_in``: sequence ``seq_id`` of ``length`` tokens on new pages."""
         cdef int64_t ps = self.page_size, j, num_pages = pages_for(length, ps)
         cdef int64_t window_needed = num_pages - window_from if self.windowed else 0
-        cdef int32_t[::1] tokens
+        cdef const int32_t[::1] tokens
         cdef uint64_t h = ROOT_HASH
         cdef PkvSequence seq
         if not 0 <= window_from <= num_pages:
@@ -955,9 +955,9 @@ cdef class PageTables:
         OutOfPagesError
             Too few free pages; nothing changed.
         """
-        cdef int32_t[:, ::1] tokens = token_ids
-        cdef int64_t[::1] parent = parents
-        cdef cnp.uint8_t[::1] window = has_window.view(np.uint8)
+        cdef const int32_t[:, ::1] tokens = token_ids
+        cdef const int64_t[::1] parent = parents
+        cdef const cnp.uint8_t[::1] window = has_window.view(np.uint8)
         cdef Py_ssize_t N = tokens.shape[0], i
         cdef int64_t entry, needed = 0, window_needed = 0, busy = 0, window_busy = 0
         if tokens.shape[1] != self.page_size or parent.shape[0] != N or window.shape[0] != N:

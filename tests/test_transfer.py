@@ -66,6 +66,9 @@ def test_round_trip_is_bit_exact_across_page_sizes_and_backends(backend, dtype):
     c = source.fork(a)
     step(source, [a, b, c], [1, 7, 3], rng)      # the fork diverges inside a shared page
     exported = {s: pickle.loads(pickle.dumps(source.export_sequence(s))) for s in (a, b, c)}
+    for kv in exported.values():     # as Ray's zero-copy arrays are
+        for array in kv.keys + kv.values + (kv.key_scales or ()) + (kv.value_scales or ()):
+            array.setflags(write=False)
     assert exported[a].num_tokens == 10 and exported[c].num_tokens == 12
     assert exported[a].dtype == dtype and exported[a].num_layers == L
     assert exported[a].layer_start == (0,) * L and exported[a].token_ids is None

@@ -77,6 +77,15 @@ class StoredRows(NamedTuple):
     v_scales: Optional[np.ndarray] = None
 
 
+def empty_rows(storage: "StorageFormat", num_rows: int, num_kv_heads: int,
+               head_dim: int) -> StoredRows:
+    """New :class:`StoredRows` of ``num_rows`` rows in ``storage`` (uninitialised)."""
+    values = (num_rows, num_kv_heads, head_dim)
+    return StoredRows(np.empty(values, storage.element), np.empty(values, storage.element),
+                      *((np.empty(values[:2], np.float32), np.empty(values[:2], np.float32))
+                        if storage.scaled else ()))
+
+
 class Backend(ABC):
     """What a backend provides: every abstract method below.
 
@@ -141,9 +150,12 @@ class Backend(ABC):
         """K and V at ``slots`` (int64 [n]) as float32 numpy arrays [n, num_kv_heads, head_dim]."""
 
     @abstractmethod
-    def read_rows(self, layer: int, slots: np.ndarray) -> StoredRows:
+    def read_rows(self, layer: int, slots: np.ndarray,
+                  out: Optional[StoredRows] = None) -> StoredRows:
         """The stored bits of K and V (and their scales) at ``slots`` (int64 [n]), as
-        host numpy arrays (export, swap): what ``write_rows`` takes to restore them."""
+        host numpy arrays (export, swap): what ``write_rows`` takes to restore them.
+
+        ``out``: C-contiguous arrays of those shapes and dtypes to fill (and return)."""
 
     @abstractmethod
     def write_rows(self, layer: int, slots: np.ndarray, rows: StoredRows) -> None:

@@ -9,7 +9,7 @@ import numpy as np
 
 from pagedkv import _rows
 from pagedkv._cpu import kernels as _kernels
-from pagedkv.backends.base import Backend, StoredRows
+from pagedkv.backends.base import Backend, empty_rows
 from pagedkv.backends.schedule import ITEM, plan_attention
 
 # Query rows x query heads of one item: 64 query vectors of head_dim floats
@@ -214,24 +214,20 @@ class HostBackend(Backend):
                                                           self._v_scales[layer])]
         return pools
 
-    def read_rows(self, layer, slots):
-        threads = _fork_safe(_threads_for(len(slots) * self.num_kv_heads * self.head_dim,
-                                          self.num_threads))
-        rows = []
-        for pool in self._row_pools(layer):
-            out = np.empty((len(slots), self.num_kv_heads, pool.shape[3]), pool.dtype)
-            _rows.read_rows(_as_bytes(pool), slots, _as_bytes(out), threads)
-            rows.append(out)
-        k, v = (x.view(self.storage.element) for x in rows[:2])
-        return StoredRows(k, v, *(x[..., 0] for x in rows[2:]))
+    def read_rows(self, layer, slots, out=None):
+        if out is None:
+            out = empty_rows(self.storage, len(slots), self.num_kv_heads, self.head_dim)
+        for pool, rows in zip(self._row_pools(layer), out):
+            rows = rows.view(pool.dtype).reshape(len(slots), self.num_kv_heads, pool.shape[3])
+            _rows.read_rows(_as_bytes(pool), slots, _as_bytes(rows))
+        return out
 
     def write_rows(self, layer, slots, rows):
-        threads = _fork_safe(_threads_for(len(slots) * self.num_kv_heads * self.head_dim,
-                                          self.num_threads))
         given = [rows.k, rows.v] + ([rows.k_scales, rows.v_scales] if self.storage.scaled else [])
         for pool, x in zip(self._row_pools(layer), given):
-            x = np.ascontiguousarray(x).view(pool.dtype).reshape(len(slots), self.num_kv_heads, -1)
-            _rows.write_rows(_as_bytes(pool), slots, _as_bytes(x), threads)
+            x = np.ascontiguousarray(x).view(pool.dtype).reshape(len(slots), self.num_kv_heads,
+                                                                 pool.shape[3])
+            _rows.write_rows(_as_bytes(pool), slots, _as_bytes(x))
 
 
 def _as_bytes(x):

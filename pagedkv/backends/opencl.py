@@ -23,7 +23,7 @@ from pagedkv.backends._opencl_device import (FORKED_CHILD_REASON, has_preferred_
                                               select_device, unavailable_reason)
 from pagedkv.backends._opencl_layout import KernelLayout, _floor_pow2
 from pagedkv.backends._opencl_program import build_program
-from pagedkv.backends.base import Backend, StoredRows
+from pagedkv.backends.base import Backend, empty_rows
 from pagedkv.backends.schedule import ITEM, plan_attention
 from pagedkv.errors import ArgumentTypeError, BackendUnavailableError
 
@@ -613,21 +613,20 @@ class OpenCLBackend(Backend):
                             page_size=self.page_size, row_units=row_bytes // unit,
                             num_slots=self.layer_pages[layer] * self.page_size)
 
-    def read_rows(self, layer, slots):
+    def read_rows(self, layer, slots, out=None):
         self._check_process()
         self._flush()
         n = len(slots)
-        pools = self._row_buffers(layer)
-        host = [np.empty((n, self.num_kv_heads, row_bytes), np.uint8) for _, row_bytes in pools]
+        if out is None:
+            out = empty_rows(self.storage, n, self.num_kv_heads, self.head_dim)
         if n:
             slots_d = self._upload(slots.astype(np.int64))
-            for (pool, row_bytes), out in zip(pools, host):
-                rows_d = self._cl.Buffer(self.context, self._cl.mem_flags.WRITE_ONLY, out.nbytes)
+            for (pool, row_bytes), rows in zip(self._row_buffers(layer), out):
+                rows_d = self._cl.Buffer(self.context, self._cl.mem_flags.WRITE_ONLY, rows.nbytes)
                 self._rows_call(0, layer, slots_d, n, pool, row_bytes, rows_d)
-                self._cl.enqueue_copy(self.queue, out, rows_d, is_blocking=False)
+                self._cl.enqueue_copy(self.queue, rows, rows_d, is_blocking=False)
             self.queue.finish()
-        k, v = (x.view(self.storage.element) for x in host[:2])
-        return StoredRows(k, v, *(x.view(np.float32)[..., 0] for x in host[2:]))
+        return out
 
     def write_rows(self, layer, slots, rows):
         self._check_process()

@@ -28,6 +28,12 @@ class Request:
         cache.  Everything after them is computed by coming steps; when all
         but nothing is pending, the next step's last row yields the next token.
     finish_reason : {None, "stop", "length"}
+    prefilled : SequenceKV or None
+        K/V of the leading ``num_computed`` tokens computed elsewhere
+        (disaggregated prefill), imported into the cache when the request is
+        admitted; None once imported, or for a request computed here.
+    import_seconds : float
+        Time that import took.
     num_preemptions : int
         Times the request lost its pages: swapped out to host memory (with a
         cache that swaps; ``seq_id`` and ``num_computed`` are kept), or freed
@@ -43,6 +49,8 @@ class Request:
     num_computed: int = 0
     finish_reason: Optional[str] = None
     num_preemptions: int = 0
+    prefilled: Optional[object] = None
+    import_seconds: float = 0.0
 
     @property
     def num_tokens(self):

@@ -15,6 +15,7 @@ request is admitted (vLLM v0's swap).  A cache without swap frees the
 sequence instead, and the request goes back to the head of the queue to be
 recomputed from its prompt and the tokens generated so far.
 """
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import List
@@ -77,13 +78,22 @@ class Scheduler:
     def _start(self, request):
         """Give a request its cache sequence.
 
-        The one place a sequence is created.  With a prefix-caching cache
+        The one place a sequence is created.  A request whose K/V were
+        computed elsewhere (``request.prefilled``, a SequenceKV) gets them
+        imported.  With a prefix-caching cache
         (``cache.prefix_caching``) the request's tokens go to
         ``add_sequence(token_ids=...)``, the cache may already hold a leading
         part of them (``seq_len > 0``), and only the rest is computed.  At
         least the last token is always left to compute: its row yields the
         next token's logits.
         """
+        if request.prefilled is not None:        # K/V computed elsewhere: imported
+            start = time.perf_counter()
+            request.seq_id = self.cache.import_sequence(request.prefilled)
+            request.import_seconds = time.perf_counter() - start
+            request.prefilled = None
+            self.running.append(request)
+            return
         if getattr(self.cache, "prefix_caching", False):
             seq_id = self.cache.add_sequence(
                 token_ids=request.token_slice(0, request.num_tokens))
@@ -213,11 +223,14 @@ class Scheduler:
                 and len(self.running) < self.max_num_seqs \
                 and self.num_preemptions == preemptions_before:
             request = self.waiting[0]
-            first_chunk = min(request.num_tokens, budget)
-            if -(-first_chunk // self.cache.page_size) > free_pages:
+            first_chunk = min(request.num_pending, budget)
+            if -(-(request.num_computed + first_chunk) // self.cache.page_size) > free_pages:
+                break
+            try:
+                self._start(request)
+            except OutOfPagesError:          # an import short of another pool (window pages)
                 break
             self.waiting.popleft()
-            self._start(request)
             num_tokens = self._fit(request.seq_id, min(request.num_pending, budget), free_pages)
             if not num_tokens:
                 break
