@@ -150,11 +150,10 @@ def bench_disaggregated(backend):
     """Part 4: the disaggregated demo's report lines."""
     import ray
     from pagedkv.models.default_model import resolve_model
-    from pagedkv.models.demo import (DEFAULT_PROMPTS, build_parser, check_pool,
-                                     encode_prompts)
+    from pagedkv.models.demo import DEFAULT_PROMPTS, build_parser, check_pool
     from pagedkv.models.disaggregated import serve
     from pagedkv.models.gguf_loader import read_gguf_header
-    from pagedkv.models.tokenizer import GGUFTokenizer
+    from pagedkv.models.tokenizer import GGUFTokenizer, encode_prompts
     path = resolve_model(None)
     header = read_gguf_header(path)
     tokenizer = GGUFTokenizer.from_metadata(header.metadata)

@@ -147,42 +147,40 @@ inline long pkv_row_unit(const ulong gid, __global const long* slots, const int 
                    + (ulong)(slot % page_size)) * (ulong)row_units + unit);
 }
 
+/* The kernels' bodies, for their unit type: one unit of one row per work-item. */
+#define PKV_READ_ROW_UNIT(zero)                                                           \
+    const ulong gid = get_global_id(0);                                                   \
+    if (gid >= (ulong)num_rows * (ulong)num_kv_heads * (ulong)row_units) return;          \
+    const long at = pkv_row_unit(gid, slots, num_rows, num_kv_heads, page_size, row_units, \
+                                 num_slots);                                              \
+    rows[gid] = at >= 0 ? pool[at] : (zero)
+#define PKV_WRITE_ROW_UNIT()                                                              \
+    const long at = pkv_row_unit(get_global_id(0), slots, num_rows, num_kv_heads,         \
+                                 page_size, row_units, num_slots);                        \
+    if (at >= 0) pool[at] = rows[get_global_id(0)]
+
 __kernel void read_rows_u32(__global const uint* pool, __global const long* slots,
                             __global uint* rows, const int num_rows, const int num_kv_heads,
                             const int page_size, const int row_units, const long num_slots) {
-    const ulong gid = get_global_id(0);
-    if (gid >= (ulong)num_rows * (ulong)num_kv_heads * (ulong)row_units) return;
-    const long at = pkv_row_unit(gid, slots, num_rows, num_kv_heads, page_size, row_units,
-                                 num_slots);
-    rows[gid] = at >= 0 ? pool[at] : 0u;
+    PKV_READ_ROW_UNIT(0u);
 }
 
 __kernel void write_rows_u32(__global uint* pool, __global const long* slots,
                              __global const uint* rows, const int num_rows,
                              const int num_kv_heads, const int page_size, const int row_units,
                              const long num_slots) {
-    const ulong gid = get_global_id(0);
-    const long at = pkv_row_unit(gid, slots, num_rows, num_kv_heads, page_size, row_units,
-                                 num_slots);
-    if (at >= 0) pool[at] = rows[gid];
+    PKV_WRITE_ROW_UNIT();
 }
 
 __kernel void read_rows_u8(__global const uchar* pool, __global const long* slots,
                            __global uchar* rows, const int num_rows, const int num_kv_heads,
                            const int page_size, const int row_units, const long num_slots) {
-    const ulong gid = get_global_id(0);
-    if (gid >= (ulong)num_rows * (ulong)num_kv_heads * (ulong)row_units) return;
-    const long at = pkv_row_unit(gid, slots, num_rows, num_kv_heads, page_size, row_units,
-                                 num_slots);
-    rows[gid] = at >= 0 ? pool[at] : (uchar)0;
+    PKV_READ_ROW_UNIT((uchar)0);
 }
 
 __kernel void write_rows_u8(__global uchar* pool, __global const long* slots,
                             __global const uchar* rows, const int num_rows,
                             const int num_kv_heads, const int page_size, const int row_units,
                             const long num_slots) {
-    const ulong gid = get_global_id(0);
-    const long at = pkv_row_unit(gid, slots, num_rows, num_kv_heads, page_size, row_units,
-                                 num_slots);
-    if (at >= 0) pool[at] = rows[gid];
+    PKV_WRITE_ROW_UNIT();
 }

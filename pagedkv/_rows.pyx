@@ -13,11 +13,18 @@ from libc.stdint cimport int64_t, uint8_t
 from libc.string cimport memcpy
 
 
-cdef int check_slots(const int64_t[::1] slots, int64_t num_slots, Py_ssize_t n) except -1:
+cdef int check(const uint8_t[:, :, :, ::1] pool, const int64_t[::1] slots, Py_ssize_t n,
+               Py_ssize_t heads, Py_ssize_t nbytes, str name) except -1:
+    """ValueError unless ``n`` rows of ``heads`` x ``nbytes`` fit ``pool`` and every slot
+    is in it."""
+    if heads != pool.shape[1] or nbytes != pool.shape[3]:
+        raise ValueError(f"{name}: expected rows of [{pool.shape[1]}, {pool.shape[3]}] bytes, "
+                         f"got [{heads}, {nbytes}]")
     if slots.shape[0] != n:
         raise ValueError(f"slots: expected {n} slots (one per row), got {slots.shape[0]}")
     cdef Py_ssize_t i
-    for i in range(slots.shape[0]):
+    cdef int64_t num_slots = pool.shape[0] * pool.shape[2]
+    for i in range(n):
         if not 0 <= slots[i] < num_slots:
             raise ValueError(f"slots: slot {slots[i]} is outside the pool [0, {num_slots})")
     return 0
@@ -26,28 +33,20 @@ cdef int check_slots(const int64_t[::1] slots, int64_t num_slots, Py_ssize_t n) 
 def read_rows(const uint8_t[:, :, :, ::1] pool, const int64_t[::1] slots,
               uint8_t[:, :, ::1] out):
     """``out[i, h]`` = the row of head ``h`` at ``slots[i]`` of ``pool``."""
-    cdef Py_ssize_t H = pool.shape[1], ps = pool.shape[2], nbytes = pool.shape[3]
-    if out.shape[1] != H or out.shape[2] != nbytes:
-        raise ValueError(f"out: expected rows of [{H}, {nbytes}] bytes, got "
-                         f"[{out.shape[1]}, {out.shape[2]}]")
-    check_slots(slots, pool.shape[0] * ps, out.shape[0])
-    cdef Py_ssize_t i, h
+    check(pool, slots, out.shape[0], out.shape[1], out.shape[2], "out")
+    cdef Py_ssize_t i, h, ps = pool.shape[2]
     with nogil:
         for i in range(slots.shape[0]):
-            for h in range(H):
-                memcpy(&out[i, h, 0], &pool[slots[i] // ps, h, slots[i] % ps, 0], nbytes)
+            for h in range(pool.shape[1]):
+                memcpy(&out[i, h, 0], &pool[slots[i] // ps, h, slots[i] % ps, 0], pool.shape[3])
 
 
 def write_rows(uint8_t[:, :, :, ::1] pool, const int64_t[::1] slots,
                const uint8_t[:, :, ::1] rows):
     """The row of head ``h`` at ``slots[i]`` of ``pool`` = ``rows[i, h]``."""
-    cdef Py_ssize_t H = pool.shape[1], ps = pool.shape[2], nbytes = pool.shape[3]
-    if rows.shape[1] != H or rows.shape[2] != nbytes:
-        raise ValueError(f"rows: expected rows of [{H}, {nbytes}] bytes, got "
-                         f"[{rows.shape[1]}, {rows.shape[2]}]")
-    check_slots(slots, pool.shape[0] * ps, rows.shape[0])
-    cdef Py_ssize_t i, h
+    check(pool, slots, rows.shape[0], rows.shape[1], rows.shape[2], "rows")
+    cdef Py_ssize_t i, h, ps = pool.shape[2]
     with nogil:
         for i in range(slots.shape[0]):
-            for h in range(H):
-                memcpy(&pool[slots[i] // ps, h, slots[i] % ps, 0], &rows[i, h, 0], nbytes)
+            for h in range(pool.shape[1]):
+                memcpy(&pool[slots[i] // ps, h, slots[i] % ps, 0], &rows[i, h, 0], pool.shape[3])

@@ -441,6 +441,9 @@ def add_cached_chains(cache, chains, reserve, reserve_window):
             chosen = np.flatnonzero(targets >= 0)
             slots = (targets[chosen, None].astype(np.int64) * page_size + offsets).ravel()
             at = rows_at[layer][chosen].ravel()
+            if len(at) and at[-1] - at[0] == len(at) - 1 and \
+                    np.array_equal(at, np.arange(at[0], at[0] + len(at))):
+                at = slice(int(at[0]), int(at[0]) + len(at))     # in order: views, no copy
             rows = StoredRows(*(None if a is None else a[at] for a in chains.rows[layer]))
             write_rows(cache, layer, slots, rows, chains.storage)
 

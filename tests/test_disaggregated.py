@@ -21,8 +21,8 @@ def local_ray():
     ray.shutdown()
 
 
-def test_disaggregated_demo_gives_the_single_process_tokens(local_ray, tiny_llama, capsys):
-    args = ["--model", tiny_llama, "--raw", "--prompt", " the a the", "--prompt", " a",
+def test_disaggregated_demo_gives_the_single_process_tokens(local_ray, request, capsys):
+    args = ["--model", request.getfixturevalue("tiny_llama"), "--raw", "--prompt", " the a the", "--prompt", " a",
             "--prompt", " the the a a the", "--max-new-tokens", "8", "--backend", "host",
             "--page-size", "4", "--stagger", "1"]
     status, single, err = run(capsys, *args)

@@ -16,10 +16,10 @@ import pytest
 import pagedkv
 from pagedkv import kv_file
 from python_child import run_python
-from test_transfer import D, DTYPES, H, L, assert_same_bits, bits, held_from, make, step, targets
+from test_transfer import D, DTYPES, H, L, assert_same_bits, held_from, make, step, targets
 
 safetensors = pytest.importorskip("safetensors")
-import safetensors.numpy  # noqa: E402
+safetensors_numpy = pytest.importorskip("safetensors.numpy")
 
 
 def snapshot(cache):
@@ -196,7 +196,7 @@ def bad_files(good, tmp_path, backend):
     consistent = write("consistent lie", data)
     lie_consistently(consistent)
     foreign = tmp_path / "foreign"
-    safetensors.numpy.save_file({"weight": np.zeros((4, 4), np.float32)}, str(foreign))
+    safetensors_numpy.save_file({"weight": np.zeros((4, 4), np.float32)}, str(foreign))
     files["foreign"] = foreign
     other_shape = pagedkv.PagedKVCache(L, 1, D, num_pages=8, page_size=4, backend=backend)
     s = other_shape.add_sequence()
