@@ -768,8 +768,9 @@ class PagedKVCache:
         chains prefix-cache hits here.  All or nothing.
 
         The file loads into any cache that ``import_sequence`` would accept
-        (page size and dtype may differ and convert the same way).  Nothing
-        in it is executed.
+        (page size and dtype may differ and convert the same way); a cache
+        without prefix caching takes its sequences only.  Nothing in it is
+        executed.
 
         Returns
         -------

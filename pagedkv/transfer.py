@@ -70,6 +70,13 @@ class SequenceKV:
     value_scales: Optional[Tuple[np.ndarray, ...]] = None
     token_ids: Optional[np.ndarray] = None
 
+    def __post_init__(self):
+        # sequences given as lists become the tuples a frozen object keeps
+        for name in ("layer_start", "keys", "values", "key_scales", "value_scales"):
+            value = getattr(self, name)
+            if isinstance(value, list):
+                object.__setattr__(self, name, tuple(value))
+
     @property
     def num_layers(self) -> int:
         return len(self.layer_start)

@@ -361,3 +361,32 @@ def test_core_and_engine_need_none_of_the_demo_dependencies():
     result = run_python(code)
     assert result.returncode == 1, result.stderr
     assert 'pip install "pagedkv[demo]"' in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_request_prefilled_elsewhere_decodes_as_if_prefilled_here(backend, checkpoint, model):
+    """Disaggregation without Ray: one engine prefills (exporting each prompt's K/V as
+    it finishes), another imports and decodes; the tokens match one engine's."""
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(0, CONFIG.vocab_size, n).tolist() for n in (9, 4, 14)]
+    exported = {}
+    prefill_cache = make_cache(backend, num_pages=32, enable_prefix_caching=True)
+    prefill = Engine(model, prefill_cache, on_finish=lambda r: exported.__setitem__(
+        r.request_id, prefill_cache.export_sequence(r.seq_id)))
+    decode = Engine(model, make_cache(backend, num_pages=12, page_size=8))
+    handed_over = []
+    for prompt in prompts:
+        rid = prefill.add_request(prompt, max_new_tokens=1)
+        while prefill.has_unfinished():
+            prefill.step()
+        handed_over.append((prompt, exported.pop(rid), prefill.requests[rid].output_ids[0]))
+    ids = [decode.add_prefilled_request(*given, max_new_tokens=6) for given in handed_over]
+    while decode.has_unfinished():
+        decode.step()
+    alone = Engine(model, make_cache(backend, num_pages=32))
+    assert [decode.requests[rid].output_ids for rid in ids] == \
+        alone.generate(prompts, max_new_tokens=6)
+    assert decode.stats.prefill_tokens == 0 and decode.cache.num_free_pages == 12
+    done = decode.add_prefilled_request(*handed_over[0], max_new_tokens=1)
+    assert decode.requests[done].finish_reason == "length" and not decode.has_unfinished()
+    with pytest.raises(ValueError, match="kv: expected K/V of the prompt's 4 tokens, got 9"):
+        decode.add_prefilled_request(prompts[1], handed_over[0][1], 1, max_new_tokens=2)
