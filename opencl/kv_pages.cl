@@ -130,57 +130,60 @@ __kernel void half_to_float(__global const half* src, __global float* dst, const
 /* Stored rows as raw bits, in units of 4 bytes (_u32) or 1 byte (_u8): the pool
  * (values or scales of any format) is [num_pages, num_kv_heads, page_size,
  * row_units] units; rows are [num_rows, num_kv_heads, row_units], row (i, h)
- * being head h of the token at slots[i].  One work-item per unit.  Returns
- * the unit's offset in the pool, or -1 for a work-item past the rows or a
- * slot outside the pool (read as zeros, never written). */
-inline long pkv_row_unit(const ulong gid, __global const long* slots, const int num_rows,
-                         const int num_kv_heads, const int page_size, const int row_units,
-                         const long num_slots) {
-    const ulong per_token = (ulong)num_kv_heads * (ulong)row_units;
-    const ulong i = gid / per_token;
+ * being head h of the token at slots[i].  One work-item per row, which it
+ * copies unit by unit (a work-item per unit spent most of its time on the
+ * divisions that place it).  Returns the row's first unit in the pool, or -1
+ * for a work-item past the rows or a slot outside the pool (read as zeros,
+ * never written). */
+inline long pkv_stored_row(const ulong gid, __global const long* slots, const int num_rows,
+                           const int num_kv_heads, const int page_size, const int row_units,
+                           const long num_slots) {
+    const ulong i = gid / (ulong)num_kv_heads;
     if (i >= (ulong)num_rows) return -1;
-    const ulong rest = gid - i * per_token;
     const long slot = slots[i];
     if (slot < 0 || slot >= num_slots) return -1;
-    const ulong h = rest / (ulong)row_units, unit = rest % (ulong)row_units;
+    const ulong h = gid - i * (ulong)num_kv_heads;
     return (long)((((ulong)(slot / page_size) * (ulong)num_kv_heads + h) * (ulong)page_size
-                   + (ulong)(slot % page_size)) * (ulong)row_units + unit);
+                   + (ulong)(slot % page_size)) * (ulong)row_units);
 }
 
-/* The kernels' bodies, for their unit type: one unit of one row per work-item. */
-#define PKV_READ_ROW_UNIT(zero)                                                           \
-    const ulong gid = get_global_id(0);                                                   \
-    if (gid >= (ulong)num_rows * (ulong)num_kv_heads * (ulong)row_units) return;          \
-    const long at = pkv_row_unit(gid, slots, num_rows, num_kv_heads, page_size, row_units, \
-                                 num_slots);                                              \
-    rows[gid] = at >= 0 ? pool[at] : (zero)
-#define PKV_WRITE_ROW_UNIT()                                                              \
-    const long at = pkv_row_unit(get_global_id(0), slots, num_rows, num_kv_heads,         \
-                                 page_size, row_units, num_slots);                        \
-    if (at >= 0) pool[at] = rows[get_global_id(0)]
+/* The kernels' bodies, for their unit type. */
+#define PKV_READ_ROW(zero)                                                                 \
+    const ulong gid = get_global_id(0);                                                    \
+    if (gid >= (ulong)num_rows * (ulong)num_kv_heads) return;                              \
+    const long at = pkv_stored_row(gid, slots, num_rows, num_kv_heads, page_size,         \
+                                   row_units, num_slots);                                  \
+    for (int u = 0; u < row_units; ++u)                                                    \
+        rows[gid * (ulong)row_units + u] = at >= 0 ? pool[at + u] : (zero)
+#define PKV_WRITE_ROW()                                                                    \
+    const ulong gid = get_global_id(0);                                                    \
+    const long at = pkv_stored_row(gid, slots, num_rows, num_kv_heads, page_size,         \
+                                   row_units, num_slots);                                  \
+    if (at >= 0)                                                                           \
+        for (int u = 0; u < row_units; ++u) pool[at + u] = rows[gid * (ulong)row_units + u]
 
 __kernel void read_rows_u32(__global const uint* pool, __global const long* slots,
                             __global uint* rows, const int num_rows, const int num_kv_heads,
                             const int page_size, const int row_units, const long num_slots) {
-    PKV_READ_ROW_UNIT(0u);
+    PKV_READ_ROW(0u);
 }
 
 __kernel void write_rows_u32(__global uint* pool, __global const long* slots,
                              __global const uint* rows, const int num_rows,
                              const int num_kv_heads, const int page_size, const int row_units,
                              const long num_slots) {
-    PKV_WRITE_ROW_UNIT();
+    PKV_WRITE_ROW();
 }
 
 __kernel void read_rows_u8(__global const uchar* pool, __global const long* slots,
                            __global uchar* rows, const int num_rows, const int num_kv_heads,
                            const int page_size, const int row_units, const long num_slots) {
-    PKV_READ_ROW_UNIT((uchar)0);
+    PKV_READ_ROW((uchar)0);
 }
 
 __kernel void write_rows_u8(__global uchar* pool, __global const long* slots,
                             __global const uchar* rows, const int num_rows,
                             const int num_kv_heads, const int page_size, const int row_units,
                             const long num_slots) {
-    PKV_WRITE_ROW_UNIT();
+    PKV_WRITE_ROW();
 }

@@ -607,9 +607,8 @@ class OpenCLBackend(Backend):
     def _rows_call(self, which, layer, slots_d, n, pool, row_bytes, rows):
         """Queue the raw-row kernel ``which`` (0 read, 1 write) over ``n`` rows."""
         unit = 4 if row_bytes % 4 == 0 else 1
-        units = n * self.num_kv_heads * row_bytes // unit
-        return self._launch(self._k_rows[unit][which], units, pool=pool, slots=slots_d,
-                            rows=rows, num_rows=n, num_kv_heads=self.num_kv_heads,
+        return self._launch(self._k_rows[unit][which], n * self.num_kv_heads, pool=pool,
+                            slots=slots_d, rows=rows, num_rows=n, num_kv_heads=self.num_kv_heads,
                             page_size=self.page_size, row_units=row_bytes // unit,
                             num_slots=self.layer_pages[layer] * self.page_size)
 
