@@ -193,11 +193,6 @@ def rows_in_one_buffer(storage, counts, num_kv_heads, head_dim):
     return rows
 
 
-def _readonly(array):
-    array.setflags(write=False)
-    return array
-
-
 def export_sequence(cache, seq_id):
     """``cache.export_sequence``: a copy of the sequence's stored rows."""
     tables = cache._tables
@@ -327,7 +322,7 @@ def swap_out(cache, seq_id):
     """``cache.swap_out``: the sequence's K/V to host memory, its pages to the pools."""
     kv = export_sequence(cache, seq_id)
     for array in kv.keys + kv.values + (kv.key_scales or ()) + (kv.value_scales or ()):
-        _readonly(array)
+        array.setflags(write=False)       # what export_sequence hands out must stay as it is
     cache._tables.swap_out(seq_id)
     cache._swapped[int(seq_id)] = kv
 
