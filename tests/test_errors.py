@@ -1,5 +1,8 @@
 """Bad input: every public call raises its specific exception, names the argument,
 and changes nothing.  On every backend."""
+import os
+import tempfile
+
 import numpy as np
 import pytest
 
@@ -27,6 +30,18 @@ def snapshot(cache):
 def kv(n=3, h=H, d=D, dtype=np.float32):
     return np.zeros((n, h, d), dtype)
 
+
+def exported(n=3, h=H):
+    """A SequenceKV of ``n`` tokens from a host cache with ``h`` KV heads."""
+    cache = pagedkv.PagedKVCache(2, h, D, num_pages=16, page_size=4, backend="host")
+    s = cache.add_sequence()
+    batch = cache.append([s], n)
+    for layer in range(2):
+        cache.store(layer, batch, kv(n, h), kv(n, h))
+    return cache.export_sequence(s)
+
+
+NEVER_WRITTEN = os.path.join(tempfile.gettempdir(), "pagedkv-test-never-written.safetensors")
 
 BAD_CALLS = [
     # (description, call(cache, s, batch), exception, message fragment)
@@ -79,6 +94,24 @@ BAD_CALLS = [
     ("gather unknown", lambda c, s, b: c.gather(0, 7), KeyError, "7"),
     ("read_token pos", lambda c, s, b: c.read_token(0, s, 3), ValueError, "pos"),
     ("refcount page", lambda c, s, b: c.refcount(8), ValueError, "page_id"),
+    ("export unknown", lambda c, s, b: c.export_sequence(99), KeyError, "99"),
+    ("import junk", lambda c, s, b: c.import_sequence({"keys": ()}), TypeError,
+     "kv: expected a pagedkv.SequenceKV"),
+    ("import other heads", lambda c, s, b: c.import_sequence(exported(h=1)), ValueError,
+     "kv.num_kv_heads: this cache has num_kv_heads=2, the sequence's K/V 1"),
+    ("import past max_seq_len", lambda c, s, b: c.import_sequence(exported(21)), ValueError,
+     "max_seq_len=20"),
+    ("swap_out unknown", lambda c, s, b: c.swap_out(42), KeyError, "42"),
+    ("swap_in not swapped", lambda c, s, b: c.swap_in(s), ValueError, "not swapped out"),
+    ("is_swapped unknown", lambda c, s, b: c.is_swapped(7), KeyError, "7"),
+    ("save path type", lambda c, s, b: c.save(3.5), TypeError, "path: expected a str"),
+    ("save unknown seq", lambda c, s, b: c.save(NEVER_WRITTEN, [s, 99]), KeyError, "99"),
+    ("save seq twice", lambda c, s, b: c.save(NEVER_WRITTEN, [s, s]), ValueError, "distinct"),
+    ("save float seq ids", lambda c, s, b: c.save(NEVER_WRITTEN, [0.5]), TypeError, "seq_ids"),
+    ("save into no folder", lambda c, s, b: c.save("/nonexistent-folder/kv.safetensors"),
+     OSError, "nonexistent-folder"),
+    ("load missing", lambda c, s, b: c.load(NEVER_WRITTEN), ValueError, "no such file"),
+    ("load path type", lambda c, s, b: c.load(None), TypeError, "path: expected a str"),
 ]
 
 

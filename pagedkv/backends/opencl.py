@@ -23,7 +23,7 @@ from pagedkv.backends._opencl_device import (FORKED_CHILD_REASON, has_preferred_
                                               select_device, unavailable_reason)
 from pagedkv.backends._opencl_layout import KernelLayout, _floor_pow2
 from pagedkv.backends._opencl_program import build_program
-from pagedkv.backends.base import Backend
+from pagedkv.backends.base import Backend, empty_rows
 from pagedkv.backends.schedule import ITEM, plan_attention
 from pagedkv.errors import ArgumentTypeError, BackendUnavailableError
 
@@ -270,6 +270,9 @@ class OpenCLBackend(Backend):
         self._k_copy = pages["copy_pages"]
         self._k_half = pages["half_to_float"]
         self._k_rotate = pages.get("rotate_rows")
+        # raw rows (read_rows / write_rows), by the bytes of the unit they move
+        self._k_rows = {4: (pages["read_rows_u32"], pages["write_rows_u32"]),
+                        1: (pages["read_rows_u8"], pages["write_rows_u8"])}
         self._copy_wg = _floor_pow2(min(
             _COPY_WORK_GROUP, self.device.max_work_item_sizes[0],
             *(k.work_group_limit(self.device) for k in pages.values())))
@@ -595,3 +598,47 @@ class OpenCLBackend(Backend):
         self._cl.enqueue_copy(self.queue, k, kd, is_blocking=False)
         self._cl.enqueue_copy(self.queue, v, vd)
         return k, v
+
+    # -- stored rows (export, import, swap) -------------------------------------------
+    def _row_buffers(self, layer):
+        """The layer's pools with the bytes of one of their rows: K and V values, then
+        (scaled formats) K and V scales."""
+        value_bytes = self.head_dim * self.storage.element.itemsize
+        pools = [(self._k[layer], value_bytes), (self._v[layer], value_bytes)]
+        if self.storage.scaled:
+            pools += [(self._k_scales[layer], 4), (self._v_scales[layer], 4)]
+        return pools
+
+    def _rows_call(self, which, layer, slots_d, n, pool, row_bytes, rows):
+        """Queue the raw-row kernel ``which`` (0 read, 1 write) over ``n`` rows."""
+        unit = 4 if row_bytes % 4 == 0 else 1
+        return self._launch(self._k_rows[unit][which], n * self.num_kv_heads, pool=pool,
+                            slots=slots_d, rows=rows, num_rows=n, num_kv_heads=self.num_kv_heads,
+                            page_size=self.page_size, row_units=row_bytes // unit,
+                            num_slots=self.layer_pages[layer] * self.page_size)
+
+    def read_rows(self, layer, slots, out=None):
+        self._check_process()
+        self._flush()
+        n = len(slots)
+        if out is None:
+            out = empty_rows(self.storage, n, self.num_kv_heads, self.head_dim)
+        if n:
+            slots_d = self._upload(slots.astype(np.int64))
+            for (pool, row_bytes), rows in zip(self._row_buffers(layer), out):
+                rows_d = self._cl.Buffer(self.context, self._cl.mem_flags.WRITE_ONLY, rows.nbytes)
+                self._rows_call(0, layer, slots_d, n, pool, row_bytes, rows_d)
+                self._cl.enqueue_copy(self.queue, rows, rows_d, is_blocking=False)
+            self.queue.finish()
+        return out
+
+    def write_rows(self, layer, slots, rows):
+        self._check_process()
+        self._flush()
+        n = len(slots)
+        if not n:
+            return
+        given = [rows.k, rows.v] + ([rows.k_scales, rows.v_scales] if self.storage.scaled else [])
+        slots_d = self._upload(slots.astype(np.int64))
+        for (pool, row_bytes), x in zip(self._row_buffers(layer), given):
+            self._rows_call(1, layer, slots_d, n, pool, row_bytes, self._upload(x))

@@ -109,6 +109,14 @@ def build_parser():
     parser.add_argument("--blas-threads", type=_non_negative_int, default=1, metavar="N",
                         help="BLAS threads for the dense math; 0 = the library's default "
                              "(default: 1, which leaves the cores to the KV kernels)")
+    parser.add_argument("--disaggregated", action="store_true",
+                        help="prefill in one Ray actor and decode in another, each "
+                             "prompt's K/V moving between them through Ray's object store "
+                             "(needs the ray extra; see docs/transfer.md)")
+    parser.add_argument("--ray-address", metavar="ADDRESS",
+                        help="with --disaggregated: the Ray cluster to run the actors on "
+                             "(\"auto\": the one this machine belongs to; default: a new "
+                             "local one)")
     return parser
 
 
@@ -264,6 +272,9 @@ def run(args):
         prompt_ids = encode_prompts(tokenizer, prompts, chat=chat)
         max_seq_len = config.max_position
         num_pages = check_pool([len(ids) for ids in prompt_ids], args, max_seq_len)
+        if args.disaggregated:
+            return run_disaggregated(args, path, header, tokenizer, prompts, prompt_ids,
+                                     num_pages)
         cache = make_cache(config, num_pages, args)
         loaded = load_gguf_model(header)
         engine = Engine(loaded.model, cache, max_num_seqs=args.max_seqs,
@@ -300,4 +311,29 @@ def run(args):
             engine.stats, cache, max_seq_len=max_seq_len, wall_seconds=wall_seconds,
             num_prompts=len(prompts), num_generated=num_generated,
             layer_windows=cache_options(config, args).get("layer_windows")))
+    return 0
+
+
+def run_disaggregated(args, path, header, tokenizer, prompts, prompt_ids, num_pages):
+    """``--disaggregated``: serve the prompts with prefill and decode in two Ray actors
+    (:mod:`pagedkv.models.disaggregated`), streaming text as the decode actor
+    returns it."""
+    from pagedkv.models.disaggregated import serve
+    from pagedkv.models.display import RunView
+    from pagedkv.models.tokenizer import TextStream
+    config = header.config
+    streams = [TextStream(tokenizer) for _ in prompts]
+    with RunView(prompts) as view:
+        view.status = f"{header.name}: starting the prefill and decode actors"
+
+        def on_token(index, token_id):
+            view.add_text(index, streams[index].push(token_id))
+            view.status = f"{header.name}: disaggregated prefill and decode"
+        outputs, report, _ = serve(
+            args, path, prompt_ids, tokenizer.stop_ids, num_pages, on_token,
+            max_seq_len=config.max_position,
+            layer_windows=cache_options(config, args).get("layer_windows"))
+    for index, ids in enumerate(outputs):
+        view.texts[index] = tokenizer.decode(ids)
+    view.print_results(report)
     return 0
