@@ -128,7 +128,7 @@ def checksum(metadata, tensors):
     names = sorted(tensors)
 
     def crc(name):
-        return zlib.crc32(np.ascontiguousarray(tensors[name]).reshape(-1).view(np.uint8))
+        return zlib.crc32(np.ascontiguousarray(tensors[name]).reshape(-1).view(np.uint8).data)
 
     with ThreadPoolExecutor(max(1, min(len(names), os.cpu_count() or 1))) as pool:
         crcs = list(pool.map(crc, names))
@@ -271,7 +271,7 @@ def _read_tensors(path):
             size = int.from_bytes(f.read(8), "little")
             header = json.loads(f.read(size))
             data = np.empty(os.fstat(f.fileno()).st_size - 8 - size, np.uint8)
-            got = f.readinto(memoryview(data))
+            got = f.readinto(data.data)
     except (OSError, ValueError) as exc:
         raise _FileError(path, f"cannot be read: {exc}") from None
     tensors = {}
@@ -393,8 +393,9 @@ class _Contents:
         if not isinstance(entry, dict):
             raise _FileError(self.path, "prefix_cache: expected a JSON object")
         n, n_window = entry.get("num_pages"), entry.get("num_window_pages")
-        if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0
-                   for x in (n, n_window)) or n_window > n:
+        if not isinstance(n, int) or not isinstance(n_window, int) or \
+                isinstance(n, bool) or isinstance(n_window, bool) or \
+                not 0 <= n_window <= n:
             raise _FileError(self.path, f"prefix_cache: expected num_pages and "
                                         f"num_window_pages (ints, 0 <= num_window_pages <= "
                                         f"num_pages), got {entry!r}"[:200])

@@ -97,7 +97,7 @@ class SequenceKV:
         :class:`pagedkv.backends.base.StoredRows`."""
         skip = 0 if start is None else start - self.layer_start[layer]
         scales = (self.key_scales[layer][skip:], self.value_scales[layer][skip:]) \
-            if self.key_scales is not None else (None, None)
+            if self.key_scales is not None and self.value_scales is not None else (None, None)
         return StoredRows(self.keys[layer][skip:], self.values[layer][skip:], *scales)
 
     def __repr__(self):
@@ -379,8 +379,10 @@ def _recut_positions(chains, page_size):
     depth = np.zeros(len(parents), np.int64)
     for i, parent in enumerate(parents.tolist()):
         depth[i] = 0 if parent < 0 else depth[parent] + 1
-    index_of = {}            # (chain page holding a new page's last position, new page) -> index
-    nodes, offsets, new_parents = [], [], []
+    index_of: dict = {}      # (chain page holding a new page's last position, new page) -> index
+    nodes: list = []
+    offsets: list = []
+    new_parents: list = []
     for end in range(len(parents)):
         first = int(depth[end]) * ps     # the chain page's first position
         for j in range(-(-(first + 1) // page_size) - 1, (first + ps) // page_size):
@@ -446,7 +448,8 @@ def add_cached_chains(cache, chains, reserve, reserve_window):
             if len(at) and at[-1] - at[0] == len(at) - 1 and \
                     np.array_equal(at, np.arange(at[0], at[0] + len(at))):
                 at = slice(int(at[0]), int(at[0]) + len(at))     # in order: views, no copy
-            rows = StoredRows(*(None if a is None else a[at] for a in chains.rows[layer]))
+            rows = StoredRows(*(None if a is None else a[at]     # type: ignore[arg-type]
+                                for a in chains.rows[layer]))
             write_rows(cache, layer, slots, rows, chains.storage)
 
     return cache._tables.add_cached_chains(token_ids, np.ascontiguousarray(parents),
