@@ -143,10 +143,10 @@ def shuffled_cache(store, num_pages, num_kv_heads, page_size, rng):
 
 class SideBySide:
     """One case, built on both sides: ``pagedkv()`` and ``vllm()`` each run the
-    attention once and return its output as float32 numpy [tokens, heads, D]."""
+    attention once (what is timed); ``check()`` compares their outputs."""
 
     def __init__(self, case, args, torch, ops, rng):
-        self.case, self.torch, self.ops = case, torch, ops
+        self.case, self.ops = case, ops
         tdtype = getattr(torch, case.dtype)
         ps, hkv = case.block, KV_HEADS[case.heads]
         if case.kind == "prefill":
@@ -164,15 +164,14 @@ class SideBySide:
         self.isa = vllm_isa(torch, tdtype, ps)
 
         def rounded(shape):
-            """Random values as vLLM's dtype holds them: (torch tensor, float32 numpy)."""
-            x = torch.from_numpy(rng.standard_normal(shape, dtype=np.float32)).to(tdtype)
-            return x, x.float().numpy()
+            """Random values as vLLM's dtype holds them."""
+            return torch.from_numpy(rng.standard_normal(shape, dtype=np.float32)).to(tdtype)
 
         # pagedkv first: the context one sequence at a time (a long sequence needs
         # no huge temporaries), then the step's new tokens
         news = []
         for s in seqs:
-            k, v = rounded((seq_len, hkv, HEAD_DIM))[1], rounded((seq_len, hkv, HEAD_DIM))[1]
+            k, v = (rounded((seq_len, hkv, HEAD_DIM)).float().numpy() for _ in "kv")
             if seq_len > new:
                 cache.store(0, cache.append([s], seq_len - new), k[:-new], v[:-new])
             news.append((k[-new:], v[-new:]))
@@ -195,9 +194,9 @@ class SideBySide:
         self.block_table = torch.from_numpy(np.stack([cache.page_ids(s) for s in seqs]))
         self.cache, self.batch = cache, batch
 
-        q_t, self.q = rounded((num_seqs * new, NUM_HEADS, HEAD_DIM))
-        self.q_t = q_t
-        self.out_t = torch.empty_like(q_t)
+        self.q_t = rounded((num_seqs * new, NUM_HEADS, HEAD_DIM))
+        self.q = self.q_t.float().numpy()
+        self.out_t = torch.empty_like(self.q_t)
         self.query_start = torch.arange(0, num_seqs * new + 1, new, dtype=torch.int32)
         self.seq_lens = torch.full((num_seqs,), seq_len, dtype=torch.int32)
         self.metadata = ops.cpu_attn_get_scheduler_metadata(
@@ -215,12 +214,13 @@ class SideBySide:
             self.q_t, self.key_cache, self.value_cache, self.out_t, self.query_start,
             self.seq_lens, self.scale, True, None, self.case.window, self.block_table, 0.0,
             self.metadata, None)
-        return self.out_t.float().numpy()
 
     def check(self):
         """Max |pagedkv - vLLM| over all outputs, and max |either - float64 reference|
         over the checked sequences (prefill: a sample of rows)."""
-        ours, theirs = self.pagedkv(), self.vllm()
+        ours = self.pagedkv()
+        self.vllm()
+        theirs = self.out_t.float().numpy()
         between = float(np.abs(ours - theirs).max())
         to_reference = 0.0
         for i, (k, v) in self.checked.items():
