@@ -7,6 +7,8 @@ test device (``opencl_devices.TEST_DEVICES``, picked by
 test ``"opencl"`` with ``PAGEDKV_DEVICE`` set to that device, so the cache
 runs there.  Tests marked ``one_opencl_device`` run on the primary device only.
 """
+import os
+
 import pytest
 
 import pagedkv
@@ -39,3 +41,12 @@ def backend(request, monkeypatch):
         return "host"
     monkeypatch.setenv("PAGEDKV_DEVICE", request.param.index)
     return "opencl"
+
+
+@pytest.fixture(scope="session")
+def hf_converted_dir(tmp_path_factory):
+    """Where tests keep GGUF models dequantized by transformers (``pagedkv.hf.loading``):
+    converting takes about a minute per model, loading the result a second.  Once per
+    session, or once for good with ``$PAGEDKV_HF_MODEL_CACHE`` naming a folder."""
+    folder = os.environ.get("PAGEDKV_HF_MODEL_CACHE")
+    return folder if folder else str(tmp_path_factory.mktemp("hf-models"))

@@ -63,6 +63,14 @@ def _positive_int(config, name, value):
     return value
 
 
+def _check_layer_types(layer_types):
+    for index, kind in enumerate(layer_types):
+        if kind not in SERVED_LAYER_TYPES:
+            raise UnsupportedModelError(
+                f"config.layer_types[{index}]: {kind!r} has no mapping in pagedkv (it serves "
+                f"{' and '.join(map(repr, SERVED_LAYER_TYPES))} layers)")
+
+
 def read_model_attention(config):
     """The :class:`ModelAttention` of a transformers config.
 
@@ -121,13 +129,13 @@ def read_model_attention(config):
                 f"config.{name}: {value}, not head_dim={head_dim}: keys and values of other "
                 f"widths than head_dim have no mapping in pagedkv")
 
+    # the config's own list first: transformers' reading of it may fail on types it
+    # cannot size; then its reading (types inferred from windows, shared-KV layers)
+    _check_layer_types(getattr(config, "layer_types", None) or ())
     layer_types, layer_kwargs = get_layer_types_and_kwargs(config)
+    _check_layer_types(layer_types)
     windows = []
-    for index, (kind, kwargs) in enumerate(zip(layer_types, layer_kwargs)):
-        if kind not in SERVED_LAYER_TYPES:
-            raise UnsupportedModelError(
-                f"config.layer_types[{index}]: {kind!r} has no mapping in pagedkv (it serves "
-                f"{' and '.join(map(repr, SERVED_LAYER_TYPES))} layers)")
+    for kind, kwargs in zip(layer_types, layer_kwargs):
         window = kwargs.get("sliding_window") if kind == "sliding_attention" else None
         if kind == "sliding_attention":
             _positive_int(config, "sliding_window", window)

@@ -1,0 +1,333 @@
+"""pagedkv under transformers: SmolLM2-135M and Gemma 3 270M give sdpa's greedy tokens.
+
+The oracle is the same model with ``attn_implementation="sdpa"`` (float32),
+generating each prompt alone.  Against it, per prompt: ``model.generate`` with a
+:class:`pagedkv.hf.PagedCache` on a left-padded batch (every row) and on a
+right-padded one (the rows without padding: transformers takes a shorter
+row's first new token from a pad position), and ``pagedkv.hf.generate_batch``
+(continuous batching: requests joining and leaving, chunked prefill, packed
+steps), on every backend, with float32 KV and float16 KV.  Gemma 3's long
+prompt (600 tokens) passes its 512-token window.  The oracle's choices are
+checked to be clear of ties first, so that float16 KV (rounding K/V by about
+5e-4 of their size) cannot flip them and an equality here means the paged
+attention is right.
+
+Also: padding never reaches the cache, the prefix cache inside
+``generate_batch`` (a repeated prompt computes only its new tokens), the
+attention-only way (``PagedCache.step``), sampling names, beam search and
+assisted decoding (fork and truncate under ``generate``), and the errors.
+"""
+import pytest
+
+from hf_models import (greedy_alone, load_model, one_torch_thread, padded, random_prompt,
+                       require_hf, sdpa)
+
+# whole-model tests: the engine more than the kernels, so one OpenCL device is enough
+pytestmark = pytest.mark.one_opencl_device
+
+KV_DTYPES = ["float32", "float16"]
+#: The smallest logit gap of the oracle's greedy choices these prompts must have (float16
+#: KV moves these models' logits by 0.02 at most; the prompts' seeds were picked for it).
+CLEAR_MARGIN = 0.1
+
+SMOLLM2_NEW = 8
+#: 7 tokens (under a page), 37 (three pages), 150 (chunked by generate_batch's budget)
+SMOLLM2_PROMPTS = [random_prompt(10, 7), random_prompt(13, 37), random_prompt(22, 150)]
+GEMMA3_NEW = 4
+GEMMA3_BOS = 2
+#: a short prompt and one longer than the 512-token window of the sliding layers
+GEMMA3_PROMPTS = [random_prompt(10, 9, bos=GEMMA3_BOS), random_prompt(11, 600, bos=GEMMA3_BOS)]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _threads():
+    require_hf()
+    with one_torch_thread():
+        yield
+
+
+@pytest.fixture(scope="module")
+def smollm2(hf_converted_dir):
+    return load_model("smollm2", hf_converted_dir)
+
+
+@pytest.fixture(scope="module")
+def gemma3(hf_converted_dir):
+    return load_model("gemma3", hf_converted_dir)
+
+
+def oracle(model, prompts, max_new_tokens):
+    tokens = []
+    for prompt in prompts:
+        got, margin = greedy_alone(model, prompt, max_new_tokens)
+        assert margin > CLEAR_MARGIN, f"the oracle nearly ties ({margin}); pick other prompts"
+        tokens.append(got)
+    return tokens
+
+
+@pytest.fixture(scope="module")
+def smollm2_expected(smollm2):
+    return oracle(smollm2, SMOLLM2_PROMPTS, SMOLLM2_NEW)
+
+
+@pytest.fixture(scope="module")
+def gemma3_expected(gemma3):
+    return oracle(gemma3, GEMMA3_PROMPTS, GEMMA3_NEW)
+
+
+def paged_cache(model, backend, dtype="float32", **kwargs):
+    import pagedkv.hf
+    return pagedkv.hf.PagedCache(model.config, num_pages=kwargs.pop("num_pages", 128),
+                                 backend=backend, dtype=dtype, **kwargs)
+
+
+def generate(model, cache, input_ids, attention_mask, max_new_tokens, **kwargs):
+    import torch
+    with torch.inference_mode():
+        out = model.generate(input_ids, attention_mask=attention_mask, past_key_values=cache,
+                             max_new_tokens=max_new_tokens, do_sample=False, **kwargs)
+    return out[:, input_ids.shape[1]:].tolist()
+
+
+# -- SmolLM2 ------------------------------------------------------------------------------
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_left_padded_generate_gives_each_prompt_its_own_tokens(smollm2, smollm2_expected,
+                                                               backend, kv_dtype):
+    ids, mask = padded(SMOLLM2_PROMPTS, smollm2.config.pad_token_id, "left")
+    cache = paged_cache(smollm2, backend, kv_dtype)
+    assert generate(smollm2, cache, ids, mask, SMOLLM2_NEW) == smollm2_expected
+    # padding was never stored: each row holds its prompt and the tokens fed back
+    assert [cache.kv.seq_len(s) for s in cache.rows] == \
+        [len(p) + SMOLLM2_NEW - 1 for p in SMOLLM2_PROMPTS]
+    assert cache.get_seq_length() == ids.shape[1] + SMOLLM2_NEW - 1     # the padded width
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_right_padded_generate_gives_unpadded_rows_their_own_tokens(smollm2, smollm2_expected,
+                                                                    backend, kv_dtype):
+    # the longest prompt twice, so that two rows have no padding
+    prompts = SMOLLM2_PROMPTS + [SMOLLM2_PROMPTS[-1]]
+    ids, mask = padded(prompts, smollm2.config.pad_token_id, "right")
+    cache = paged_cache(smollm2, backend, kv_dtype)
+    got = generate(smollm2, cache, ids, mask, SMOLLM2_NEW)
+    assert got[2] == got[3] == smollm2_expected[2]
+    # the padded rows kept only real tokens too: their prompt and what was fed back
+    assert [cache.kv.seq_len(s) for s in cache.rows] == \
+        [len(p) + SMOLLM2_NEW - 1 for p in prompts]
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_generate_batch_gives_each_prompt_its_own_tokens(smollm2, smollm2_expected, backend,
+                                                         kv_dtype):
+    import pagedkv.hf
+    cache = paged_cache(smollm2, backend, kv_dtype, enable_prefix_caching=True)
+    # two at a time, 64 tokens a step: the third joins when one leaves, the
+    # 150-token prompt prefills in three chunks beside the others' decodes
+    got = pagedkv.hf.generate_batch(smollm2, SMOLLM2_PROMPTS, SMOLLM2_NEW, cache=cache,
+                                    max_num_seqs=2, max_num_batched_tokens=64)
+    assert got == smollm2_expected
+    assert cache.kv.seq_ids() == [] and cache.kv.num_free_pages == cache.kv.num_pages
+
+
+def test_generate_batch_builds_its_own_cache(smollm2, smollm2_expected, backend):
+    import pagedkv.hf
+    assert pagedkv.hf.generate_batch(smollm2, SMOLLM2_PROMPTS, max_new_tokens=SMOLLM2_NEW,
+                                     backend=backend) == smollm2_expected
+
+
+def test_a_repeated_prompt_computes_only_its_new_tokens(smollm2, smollm2_expected, backend):
+    import pagedkv.hf
+    cache = paged_cache(smollm2, backend, enable_prefix_caching=True)
+    prompt = SMOLLM2_PROMPTS[2]
+    assert pagedkv.hf.generate_batch(smollm2, [prompt], SMOLLM2_NEW, cache=cache) == \
+        [smollm2_expected[2]]
+    first = cache.stats()
+    assert first["num_stored_tokens"] == len(prompt) + SMOLLM2_NEW - 1
+    assert pagedkv.hf.generate_batch(smollm2, [prompt], SMOLLM2_NEW, cache=cache) == \
+        [smollm2_expected[2]]
+    second = cache.stats()
+    reused = len(prompt) // 16 * 16              # its full pages: 144 of its 150 tokens
+    assert second["num_stored_tokens"] - first["num_stored_tokens"] == \
+        len(prompt) - reused + SMOLLM2_NEW - 1
+    assert second["prefix_hit_rate"] == pytest.approx(reused / (2 * len(prompt)))
+
+
+def test_attention_only_a_loop_of_packed_steps(smollm2, smollm2_expected, backend):
+    """The engine author's way in: sequences and steps on ``cache.kv``, the model on each step."""
+    import torch
+    cache = paged_cache(smollm2, backend)
+    kv = cache.kv
+    seqs = [kv.add_sequence() for _ in SMOLLM2_PROMPTS]
+    tokens = [list(p) for p in SMOLLM2_PROMPTS]
+    new = [[] for _ in SMOLLM2_PROMPTS]
+    pending = [list(p) for p in SMOLLM2_PROMPTS]        # the prefill, then one token each
+    for _ in range(SMOLLM2_NEW):
+        batch = kv.append(seqs, [len(p) for p in pending])
+        ids = [t for p in pending for t in p]
+        positions = [kv.seq_len(s) - len(p) + i for s, p in zip(seqs, pending)
+                     for i in range(len(p))]
+        last_rows = torch.tensor(batch.query_start[1:], dtype=torch.long) - 1
+        with cache.step(batch), torch.inference_mode():
+            logits = smollm2(input_ids=torch.tensor([ids]),
+                             position_ids=torch.tensor([positions]), past_key_values=cache,
+                             logits_to_keep=last_rows).logits[0]
+        pending = [[int(t)] for t in logits.argmax(-1)]
+        for row, (t,) in enumerate(pending):
+            new[row].append(t)
+            tokens[row].append(t)
+    assert new == smollm2_expected
+
+
+def test_a_step_checks_its_positions(smollm2, backend):
+    import torch
+    cache = paged_cache(smollm2, backend)
+    seq = cache.kv.add_sequence()
+    batch = cache.kv.append([seq], 4)
+    with cache.step(batch), torch.inference_mode(), \
+            pytest.raises(ValueError, match="position_ids: expected the step's positions"):
+        smollm2(input_ids=torch.tensor([[5, 6, 7, 8]]), position_ids=torch.tensor([[1, 2, 3, 4]]),
+                past_key_values=cache)
+    with cache.step(batch), pytest.raises(RuntimeError, match="do not nest"):
+        with cache.step(batch):
+            pass
+
+
+def test_sampling_takes_generation_config_names(smollm2, smollm2_expected):
+    import pagedkv.hf
+    from transformers import GenerationConfig
+    prompts = SMOLLM2_PROMPTS[:2]
+    # top_k=1 and a tiny top_p leave one token to draw: greedy's
+    for options in (dict(top_k=1), dict(top_p=1e-6, top_k=0)):
+        assert pagedkv.hf.generate_batch(smollm2, prompts, SMOLLM2_NEW, backend="host",
+                                         do_sample=True, temperature=0.7, seed=0,
+                                         **options) == smollm2_expected[:2]
+    config = GenerationConfig(do_sample=True, temperature=1.5, top_k=0, max_new_tokens=6)
+    runs = [pagedkv.hf.generate_batch(smollm2, prompts, backend="host", generation_config=config,
+                                      seed=seed) for seed in (7, 7, 8)]
+    assert runs[0] == runs[1] != runs[2]                  # seeded
+    assert all(len(r) == 6 for r in runs[0])
+    # a stop token ends a request and is kept
+    stop = smollm2_expected[0][2]
+    got = pagedkv.hf.generate_batch(smollm2, prompts[:1], SMOLLM2_NEW, backend="host",
+                                    eos_token_id=[stop])
+    assert got == [smollm2_expected[0][:3]]
+
+
+@pytest.mark.parametrize("options, named", [
+    (dict(num_beams=2), "num_beams"), (dict(repetition_penalty=1.2), "repetition_penalty"),
+    (dict(no_such_field=1), "no_such_field"), (dict(do_sample=True, temperature=0.0),
+                                               "temperature")])
+def test_generation_options_it_cannot_apply_are_named(smollm2, options, named):
+    import pagedkv.hf
+    with pytest.raises(ValueError, match=named):
+        pagedkv.hf.generate_batch(smollm2, SMOLLM2_PROMPTS[:1], 2, backend="host", **options)
+
+
+def test_beam_search_and_assisted_decoding_fork_and_truncate_rows(smollm2, backend):
+    prompt = SMOLLM2_PROMPTS[1]
+    ids, mask = padded([prompt], 0, "left")
+    for options in (dict(num_beams=3), dict(prompt_lookup_num_tokens=3)):
+        with sdpa(smollm2):
+            want = generate(smollm2, None, ids, mask, 6, **options)
+        cache = paged_cache(smollm2, backend)
+        assert generate(smollm2, cache, ids, mask, 6, **options) == want, options
+        assert len(cache.kv.seq_ids()) == len(cache.rows)     # forks replaced their rows
+
+
+def test_the_attention_needs_a_paged_cache(smollm2):
+    import torch
+    with torch.inference_mode(), pytest.raises(ValueError, match="past_key_values=pagedkv.hf"):
+        smollm2(input_ids=torch.tensor([[1, 2, 3]]))
+
+
+def test_a_cache_keeps_its_batch_size(smollm2):
+    import torch
+    cache = paged_cache(smollm2, "host")
+    with torch.inference_mode():
+        smollm2(input_ids=torch.tensor([[1, 2, 3]] * 2), past_key_values=cache)
+        with pytest.raises(ValueError, match="holds a batch of 2 rows, got 3"):
+            smollm2(input_ids=torch.tensor([[4]] * 3), past_key_values=cache)
+        cache.reset()
+        smollm2(input_ids=torch.tensor([[4]] * 3), past_key_values=cache)
+    assert [cache.kv.seq_len(s) for s in cache.rows] == [1, 1, 1]
+
+
+# -- Gemma 3 -------------------------------------------------------------------------------
+def test_gemma3_left_padded_generate_passes_the_window(gemma3, gemma3_expected, backend):
+    ids, mask = padded(GEMMA3_PROMPTS, gemma3.config.pad_token_id, "left")
+    cache = paged_cache(gemma3, backend)
+    assert generate(gemma3, cache, ids, mask, GEMMA3_NEW) == gemma3_expected
+    # the sliding layers hold about their window; the full layers every token
+    long_row = cache.rows[1]
+    assert cache.kv.page_count(long_row) == -(-(len(GEMMA3_PROMPTS[1]) + GEMMA3_NEW - 1) // 16)
+    assert cache.kv.window_page_count(long_row) <= 512 // 16 + 2
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_gemma3_generate_batch_passes_the_window(gemma3, gemma3_expected, backend, kv_dtype):
+    import pagedkv.hf
+    assert pagedkv.hf.generate_batch(gemma3, GEMMA3_PROMPTS, GEMMA3_NEW, backend=backend,
+                                     dtype=kv_dtype, max_num_batched_tokens=256) == \
+        gemma3_expected
+
+
+# -- configs pagedkv cannot serve --------------------------------------------------------------
+def tiny_llama_config(**overrides):
+    from transformers import LlamaConfig
+    options = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
+                   num_key_value_heads=2, intermediate_size=128, vocab_size=100)
+    options.update(overrides)
+    return LlamaConfig(**options)
+
+
+def test_the_config_is_read():
+    import pagedkv.hf
+    from transformers import Gemma3TextConfig
+    spec = pagedkv.hf.read_model_attention(Gemma3TextConfig(
+        num_hidden_layers=3, layer_types=["sliding_attention", "sliding_attention",
+                                          "full_attention"],
+        sliding_window=64, head_dim=32, num_attention_heads=4, num_key_value_heads=1,
+        query_pre_attn_scalar=16, attn_logit_softcapping=30.0))
+    assert (spec.num_layers, spec.num_heads, spec.num_kv_heads, spec.head_dim) == (3, 4, 1, 32)
+    assert spec.layer_windows == (64, 64, None)
+    assert spec.scale == pytest.approx(0.25) and spec.logits_soft_cap == 30.0
+    assert pagedkv.hf.read_model_attention(tiny_llama_config()).layer_windows == (None, None)
+
+
+def _with_layer_types(types):
+    config = tiny_llama_config()
+    config.layer_types = types
+    return config
+
+
+@pytest.mark.parametrize("config, named", [
+    (lambda: __import__("transformers").Qwen3NextConfig(num_hidden_layers=4),
+     r"config.layer_types\[0\]: 'linear_attention' has no mapping"),
+    (lambda: __import__("transformers").Llama4TextConfig(num_hidden_layers=4),
+     r"config.layer_types\[0\]: 'chunked_attention' has no mapping"),
+    (lambda: _with_layer_types(["full_attention", "mystery_attention"]),
+     r"config.layer_types\[1\]: 'mystery_attention' has no mapping"),
+    (lambda: tiny_llama_config(num_attention_heads=4, num_key_value_heads=3),
+     "config.num_key_value_heads: 3 does not divide num_attention_heads=4"),
+    (lambda: __import__("transformers").Gemma3TextConfig(use_bidirectional_attention=True),
+     "config.use_bidirectional_attention"),
+    (lambda: __import__("transformers").DeepseekV3Config(num_hidden_layers=2),
+     "config.kv_lora_rank"),
+    (lambda: __import__("transformers").T5Config(), "config.is_encoder_decoder"),
+    (lambda: {"num_hidden_layers": 2}, "config: expected a transformers PretrainedConfig"),
+])
+def test_configs_pagedkv_cannot_serve_are_named(config, named):
+    import pagedkv.hf
+    with pytest.raises(pagedkv.hf.UnsupportedModelError, match=named):
+        pagedkv.hf.PagedCache(config(), num_pages=4, backend="host")
+
+
+def test_a_head_dim_the_backend_cannot_take_is_named():
+    import pagedkv
+    import pagedkv.hf
+    if "opencl" not in pagedkv.available_backends():
+        pytest.skip("needs an OpenCL device (the host backend takes any head_dim)")
+    config = tiny_llama_config(head_dim=4096, hidden_size=64)
+    with pytest.raises(pagedkv.hf.UnsupportedModelError,
+                       match="config.head_dim: 4096 .* cannot be served by the 'opencl' backend"):
+        pagedkv.hf.PagedCache(config, num_pages=1, backend="opencl")
