@@ -53,6 +53,20 @@ def load_model(name, converted_dir):
     return load_causal_lm(model_file(name), converted_dir=converted_dir)
 
 
+def smollm2_folder(converted_dir):
+    """A model folder of SmolLM2 with its tokenizer, for what loads models the plain way."""
+    from transformers import AutoTokenizer
+
+    from pagedkv.hf.loading import converted_folder
+    path = model_file("smollm2")
+    load_model("smollm2", converted_dir)               # converts once
+    folder = converted_folder(path, converted_dir)
+    if not (folder / "tokenizer_config.json").is_file():
+        AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path)) \
+            .save_pretrained(folder)
+    return folder
+
+
 @contextlib.contextmanager
 def one_torch_thread():
     """torch on one thread: the KV kernels and torch's own threads would share two cores."""

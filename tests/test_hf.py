@@ -331,3 +331,26 @@ def test_a_head_dim_the_backend_cannot_take_is_named():
     with pytest.raises(pagedkv.hf.UnsupportedModelError,
                        match="config.head_dim: 4096 .* cannot be served by the 'opencl' backend"):
         pagedkv.hf.PagedCache(config, num_pages=1, backend="opencl")
+
+
+# -- the demo --------------------------------------------------------------------------------
+def test_demo_serves_a_transformers_model(smollm2, hf_converted_dir, capsys):
+    from hf_models import model_file
+    from pagedkv.models import demo
+    status = demo.main(["--hf-model", model_file("smollm2"), "--converted-dir", hf_converted_dir,
+                        "--backend", "host", "--raw", "--max-new-tokens", "4", "--stagger", "1",
+                        "--prompt", "The capital of France is", "--prompt", "Water boils at"])
+    out, err = capsys.readouterr()
+    assert status == 0, err
+    assert "### Prompt 1: The capital of France is\n Paris.\n" in out   # SmolLM2's greedy text
+    assert "### Prompt 2: Water boils at" in out
+    assert "2 prompts, 8 tokens generated" in err and "KV memory (float32, page_size 16)" in err
+    assert "prefix cache hit rate" in err
+
+
+def test_demo_options_for_transformers_are_checked(capsys):
+    from pagedkv.models import demo
+    assert demo.main(["--hf-model", "x", "--model", "smollm2"]) == 1
+    assert "--model and --hf-model: expected one of them" in capsys.readouterr().err
+    assert demo.main(["--converted-dir", "x"]) == 1
+    assert "--converted-dir: only with --hf-model" in capsys.readouterr().err

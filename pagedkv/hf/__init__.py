@@ -14,21 +14,7 @@ kernels over a :class:`PagedCache`.  Three ways in (docs/hf.md):
 
 ``import pagedkv`` never imports this package, torch or transformers.
 """
-_INSTALL = 'pip install "pagedkv[hf]" torch'
-
-try:
-    import torch  # noqa: F401
-    import transformers
-except ImportError as exc:
-    raise ImportError(f"pagedkv.hf needs torch and transformers (the 'hf' extra): {_INSTALL} "
-                      f"({exc})") from exc
-
-import transformers.cache_utils  # noqa: E402
-
-if not hasattr(transformers.cache_utils.Cache, "get_query_offset"):
-    raise ImportError(f"pagedkv.hf needs transformers >= 5.23 (the 'hf' extra), found "
-                      f"{transformers.__version__}: {_INSTALL}")
-
+from pagedkv.hf import _requirements  # noqa: F401  (first: the ImportError naming the extra)
 from pagedkv.hf.attention import NAME, padding_mask, paged_attention_forward, register
 from pagedkv.hf.cache import PagedCache
 from pagedkv.hf.config import ModelAttention, UnsupportedModelError, read_model_attention

@@ -22,7 +22,6 @@ import contextlib
 import threading
 
 import numpy as np
-import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 import pagedkv

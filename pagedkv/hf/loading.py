@@ -21,10 +21,17 @@ def is_gguf(path):
         return f.read(4) == b"GGUF"
 
 
-def _converted_folder(path, converted_dir):
-    """Where the dequantized copy of GGUF ``path`` lives: named by the file's identity and
-    the transformers version, so a changed file or library converts again."""
+def converted_folder(path, converted_dir):
+    """Where :func:`load_causal_lm` keeps the dequantized copy of GGUF ``path`` in
+    ``converted_dir``: named by the file's identity and the transformers version, so a
+    changed file or library converts again.
+
+    Returns
+    -------
+    pathlib.Path
+    """
     import transformers
+    path = Path(os.fspath(path))
     stat = path.stat()
     key = hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|"
                          f"{transformers.__version__}".encode()).hexdigest()[:16]
@@ -61,7 +68,7 @@ def load_causal_lm(path, *, attn_implementation="pagedkv", dtype=torch.float32,
     if converted_dir is None:
         return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
                                                     **options).eval()
-    folder = _converted_folder(path, converted_dir)
+    folder = converted_folder(path, converted_dir)
     if not (folder / "config.json").is_file():
         model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
                                                      dtype=dtype)
