@@ -252,6 +252,25 @@ def test_a_cache_keeps_its_batch_size(smollm2):
     assert [cache.kv.seq_len(s) for s in cache.rows] == [1, 1, 1]
 
 
+def test_a_pass_that_fails_part_way_leaves_no_tokens(smollm2, smollm2_expected):
+    import torch
+    prompt = SMOLLM2_PROMPTS[1]
+    cache = paged_cache(smollm2, "host")
+
+    def fail(*args):
+        raise RuntimeError("a layer failed")
+    handle = smollm2.model.layers[5].register_forward_hook(fail)
+    try:
+        with torch.inference_mode(), pytest.raises(RuntimeError, match="a layer failed"):
+            smollm2(input_ids=torch.tensor([prompt]), past_key_values=cache)
+    finally:
+        handle.remove()
+    assert cache.get_seq_length() == 0
+    ids, mask = padded([prompt], 0, "left")
+    assert generate(smollm2, cache, ids, mask, SMOLLM2_NEW) == [smollm2_expected[1]]
+    assert cache.kv.seq_len(cache.rows[0]) == len(prompt) + SMOLLM2_NEW - 1
+
+
 # -- Gemma 3 -------------------------------------------------------------------------------
 def test_gemma3_left_padded_generate_passes_the_window(gemma3, gemma3_expected, backend):
     ids, mask = padded(GEMMA3_PROMPTS, gemma3.config.pad_token_id, "left")

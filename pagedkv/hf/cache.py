@@ -90,7 +90,7 @@ class _PaddedStep:
 
     def __init__(self, batch, valid, lengths_before):
         self.batch = batch
-        self.valid = valid                    # [B, L] bool tensor, or None: no padding
+        self.valid = valid                    # [B, q] bool ndarray: the pass's real tokens
         self.lengths_before = lengths_before  # per row, for rolling back an unfinished pass
         self.stored = set()
 
@@ -218,6 +218,7 @@ class PagedCache(Cache):
                 or tokens_to_remove > 0 or -tokens_to_remove > self.get_seq_length():
             raise ValueError(f"tokens_to_remove: expected an int in [-{self.get_seq_length()}, "
                              f"0] (minus the columns to drop), got {tokens_to_remove!r}")
+        self._roll_back_unfinished_pass()
         if tokens_to_remove == 0:
             return
         keep = self.get_seq_length() + tokens_to_remove
@@ -225,10 +226,10 @@ class PagedCache(Cache):
         for seq_id, num in zip(self.rows, dropped.tolist()):
             self.kv.truncate(seq_id, self.kv.seq_len(seq_id) - num)
         self._columns = self._columns[:, :keep]
-        self._step = None
 
     def _remap_rows(self, sources):
         """Rows become forks of ``sources`` (old row indices); the old rows are freed."""
+        self._roll_back_unfinished_pass()
         if not self.rows:
             return
         forks = [self.kv.fork(self.rows[i]) for i in sources]
@@ -236,7 +237,6 @@ class PagedCache(Cache):
             self.kv.free(seq_id)
         self.rows = forks
         self._columns = self._columns[np.asarray(sources, dtype=np.intp)]
-        self._step = None
 
     def reorder_cache(self, beam_idx):
         """Beam search: row ``i`` becomes a copy-on-write fork of row ``beam_idx[i]``."""
@@ -327,6 +327,8 @@ class PagedCache(Cache):
         torch.Tensor, shape [B, q, num_heads, head_dim], ``query.dtype``
             Zeros in the rows of padding tokens.
         """
+        # inference only: a plain model(...) call outside no_grad gives tensors that need grad
+        query, key, value = query.detach(), key.detach(), value.detach()
         if self._attend is not None:
             return self._attend_packed(layer, query, key, value, padding, variants, position_ids)
         return self._attend_padded(layer, query, key, value, padding, variants)
@@ -367,20 +369,25 @@ class PagedCache(Cache):
         kv.store(layer, step.batch, k, v)
         out = kv.attention(layer, step.batch, q, **variants).to(query.dtype)
         step.stored.add(layer)
+        if len(step.stored) == kv.num_layers:         # the pass is complete: its columns count
+            self._columns = np.concatenate([self._columns, step.valid], axis=1)
+            self._num_stored_tokens += int(step.valid.sum())
+            self._step = None
         if padding is None:
             return out.view(batch_size, q_len, num_heads, head_dim)
         full = query.new_zeros((batch_size, q_len, num_heads, head_dim))
         full[padding] = out
         return full
 
-    def _begin_padded_step(self, batch_size, q_len, padding):
-        step = self._step
-        if step is not None and len(step.stored) < self.kv.num_layers:
-            # the previous pass stopped part way: its tokens never happened
-            for seq_id, length in zip(self.rows, step.lengths_before):
+    def _roll_back_unfinished_pass(self):
+        """A pass that stopped part way (an exception) leaves no tokens behind."""
+        if self._step is not None:
+            for seq_id, length in zip(self.rows, self._step.lengths_before):
                 self.kv.truncate(seq_id, length)
-            self._columns = self._columns[:, :self._columns.shape[1] - step.batch_width]
-        self._step = None
+            self._step = None
+
+    def _begin_padded_step(self, batch_size, q_len, padding):
+        self._roll_back_unfinished_pass()
         if not self.rows:
             self.rows = [self.kv.add_sequence() for _ in range(batch_size)]
             self._columns = np.zeros((batch_size, 0), dtype=bool)
@@ -398,12 +405,8 @@ class PagedCache(Cache):
         counts = valid.sum(axis=1)
         lengths = [self.kv.seq_len(s) for s in self.rows]
         batch = self.kv.append(self.rows, counts)
-        step = _PaddedStep(batch, padding, lengths)
-        step.batch_width = q_len
-        self._columns = np.concatenate([self._columns, valid], axis=1)
-        self._num_stored_tokens += int(counts.sum())
-        self._step = step
-        return step
+        self._step = _PaddedStep(batch, valid, lengths)
+        return self._step
 
     # -- counters ------------------------------------------------------------------------------
     def stats(self):
