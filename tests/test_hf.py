@@ -239,6 +239,14 @@ def test_the_attention_needs_a_paged_cache(smollm2):
         smollm2(input_ids=torch.tensor([[1, 2, 3]]))
 
 
+def test_a_paged_cache_needs_the_paged_attention(smollm2):
+    import torch
+    cache = paged_cache(smollm2, "host")
+    with sdpa(smollm2), torch.inference_mode(), \
+            pytest.raises(ValueError, match='needs the model\'s attention to be "pagedkv"'):
+        smollm2(input_ids=torch.tensor([[1, 2, 3]]), past_key_values=cache)
+
+
 def test_a_cache_keeps_its_batch_size(smollm2):
     import torch
     cache = paged_cache(smollm2, "host")

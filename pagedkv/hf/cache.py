@@ -37,21 +37,18 @@ def take_update(module, key):
     Raises
     ------
     ValueError
-        No ``PagedCache`` update came before this attention call (the model
-        runs with another cache, or none), or the layer changed its keys
+        ``key`` did not come from a ``PagedCache`` update just before: the
+        model runs with another cache or none, or the layer changed its keys
         between the update and the attention call.
     """
     cache, layer, updated_key = getattr(_pending, "update", (None, None, None))
     _pending.update = (None, None, None)
-    if cache is None:
+    if cache is None or updated_key is not key:
         raise ValueError(
-            'attn_implementation="pagedkv" keeps K/V in a pagedkv.hf.PagedCache: pass '
-            "past_key_values=pagedkv.hf.PagedCache(model.config, num_pages=...) (and "
-            "use_cache=True), or use pagedkv.hf.generate_batch")
-    if updated_key is not key or layer != getattr(module, "layer_idx", layer):
-        raise ValueError(f"layer {getattr(module, 'layer_idx', '?')}: the keys reaching the "
-                         f"attention are not those the layer stored with "
-                         f"past_key_values.update(); pagedkv cannot serve this attention module")
+            f"layer {getattr(module, 'layer_idx', '?')}: attn_implementation=\"pagedkv\" "
+            f"attends over a pagedkv.hf.PagedCache, and this layer's keys did not come from "
+            f"one: pass past_key_values=pagedkv.hf.PagedCache(model.config, num_pages=...) "
+            f"(and use_cache=True), or use pagedkv.hf.generate_batch")
     return cache, layer
 
 
@@ -187,7 +184,21 @@ class PagedCache(Cache):
 
         They are stored by the attention call that follows (which learns from
         the mask which tokens are padding); returned unchanged.
+
+        Raises
+        ------
+        ValueError
+            The previous layer's update never reached the ``"pagedkv"``
+            attention: the model computes attention another way, which would
+            see this pass's tokens only.
         """
+        cache, layer, _ = getattr(_pending, "update", (None, None, None))
+        if cache is self and layer == layer_idx - 1:
+            raise ValueError(
+                f"past_key_values: a pagedkv.hf.PagedCache needs the model's attention to be "
+                f"\"pagedkv\" (layer {layer} computed it another way); load the model with "
+                f"attn_implementation=\"pagedkv\" after import pagedkv.hf, or call "
+                f"model.set_attn_implementation(\"pagedkv\")")
         _pending.update = (self, layer_idx, key_states)
         return key_states, value_states
 
