@@ -374,6 +374,20 @@ def test_demo_serves_a_transformers_model(smollm2, hf_converted_dir, capsys):
     assert "prefix cache hit rate" in err
 
 
+def test_demo_serves_a_model_folder_with_its_chat_template(smollm2, hf_converted_dir, capsys):
+    from hf_models import smollm2_folder
+    from pagedkv.models import demo
+    status = demo.main(["--hf-model", str(smollm2_folder(hf_converted_dir)), "--backend", "host",
+                        "--max-new-tokens", "8", "--prompt",
+                        "What is the capital of France? Answer in one sentence."])
+    out, err = capsys.readouterr()
+    assert status == 0, err
+    # through transformers' tokenizer and the model's chat template
+    assert "### Prompt 1: What is the capital of France? Answer in one sentence.\n" \
+        "The capital of France is Paris." in out
+    assert "1 prompt, 8 tokens generated" in err
+
+
 def test_demo_options_for_transformers_are_checked(capsys):
     from pagedkv.models import demo
     assert demo.main(["--hf-model", "x", "--model", "smollm2"]) == 1
