@@ -122,7 +122,7 @@ def cached_rows(backend, args, rng):
         batch = cache.append(seqs, 1)
         cache.store(0, batch, k[:B], k[:B])
         q = rng.standard_normal((B, hq, d), dtype=np.float32)
-        t = best_seconds(lambda: cache.attention(0, batch, q), repeat=args.repeat)
+        t = best_seconds(lambda: cache.attention(0, batch, q), repeat=args.repeat)  # noqa: F821 (deleted after its last call)
         rows.append([f"{backend} paged, {dtype}, pages in cache", f"{t * 1e3:.2f}", "-", "-"])
         del cache
     return rows
@@ -281,7 +281,7 @@ def decode_section(backends, args, rng, bandwidth):
     K, V = contiguous
     q = rng.standard_normal((B, hq, d), dtype=np.float32)
     scale = 1 / math.sqrt(d)
-    t = best_seconds(lambda: numpy_decode(q, K, V, scale), repeat=args.repeat)
+    t = best_seconds(lambda: numpy_decode(q, K, V, scale), repeat=args.repeat)  # noqa: F821 (deleted after its last call)
     rows.append(["numpy contiguous, float32", f"{t * 1e3:.2f}", f"{kv_bytes / t / 1e9:.2f}",
                  f"{kv_bytes / t / bandwidth:.2f}"])
     numpy_t = t

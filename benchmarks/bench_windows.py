@@ -84,7 +84,7 @@ def memory_rows(config, backend, args, rng):
         peak = [0]
 
         def on_step():
-            peak[0] = max(peak[0], sum(used_bytes(cache, cache.stats())))
+            peak[0] = max(peak[0], sum(used_bytes(cache, cache.stats())))  # noqa: F821 (deleted after its last call)
 
         grow(cache, seqs, args.mem_len - 4, args.chunk, rng, on_step)
         grow(cache, seqs, args.mem_len, 1, rng, on_step)          # then decode steps
@@ -114,10 +114,10 @@ def decode_rows(model, backend, args, rng):
             cache.truncate(s, L - 1)
 
         def step():
-            batch = cache.append(seqs, 1)
-            logits = model.forward(tokens, positions, paged_attend(cache, batch), np.arange(B))
+            batch = cache.append(seqs, 1)  # noqa: F821 (deleted after its last call)
+            logits = model.forward(tokens, positions, paged_attend(cache, batch), np.arange(B))  # noqa: F821 (deleted after its last call)
             for s in seqs:
-                cache.truncate(s, L - 1)
+                cache.truncate(s, L - 1)  # noqa: F821 (deleted after its last call)
             return logits
 
         with blas_threads(args.blas_threads or None):   # BLAS workers off the kernels' cores

@@ -1,6 +1,7 @@
 /* Moving K/V in and out of the page pools: scatter by slot, gather by slot,
- * whole-page copies (copy-on-write), half -> float conversion of inputs, and
- * the rotation of int8 formats' queries and outputs.
+ * whole-page copies (copy-on-write), stored rows as raw bits (export, import,
+ * swap), half -> float conversion of inputs, and the rotation of int8
+ * formats' queries and outputs.
  *
  * Float formats: one work-item per vector of PKV_VW elements; consecutive
  * work-items touch consecutive memory, so accesses coalesce on GPUs and
@@ -124,4 +125,65 @@ __kernel void copy_pages(__global pkv_bits* k_pool, __global pkv_bits* v_pool,
 __kernel void half_to_float(__global const half* src, __global float* dst, const long n) {
     const ulong i = get_global_id(0);
     if (i < (ulong)n) dst[i] = vload_half(i, src);
+}
+
+/* Stored rows as raw bits, in units of 4 bytes (_u32) or 1 byte (_u8): the pool
+ * (values or scales of any format) is [num_pages, num_kv_heads, page_size,
+ * row_units] units; rows are [num_rows, num_kv_heads, row_units], row (i, h)
+ * being head h of the token at slots[i].  One work-item per row, which it
+ * copies unit by unit (a work-item per unit spent most of its time on the
+ * divisions that place it).  Returns the row's first unit in the pool, or -1
+ * for a work-item past the rows or a slot outside the pool (read as zeros,
+ * never written). */
+inline long pkv_stored_row(const ulong gid, __global const long* slots, const int num_rows,
+                           const int num_kv_heads, const int page_size, const int row_units,
+                           const long num_slots) {
+    const ulong i = gid / (ulong)num_kv_heads;
+    if (i >= (ulong)num_rows) return -1;
+    const long slot = slots[i];
+    if (slot < 0 || slot >= num_slots) return -1;
+    const ulong h = gid - i * (ulong)num_kv_heads;
+    return (long)((((ulong)(slot / page_size) * (ulong)num_kv_heads + h) * (ulong)page_size
+                   + (ulong)(slot % page_size)) * (ulong)row_units);
+}
+
+/* The kernels' bodies, for their unit type. */
+#define PKV_READ_ROW(zero)                                                                 \
+    const ulong gid = get_global_id(0);                                                    \
+    if (gid >= (ulong)num_rows * (ulong)num_kv_heads) return;                              \
+    const long at = pkv_stored_row(gid, slots, num_rows, num_kv_heads, page_size,         \
+                                   row_units, num_slots);                                  \
+    for (int u = 0; u < row_units; ++u)                                                    \
+        rows[gid * (ulong)row_units + u] = at >= 0 ? pool[at + u] : (zero)
+#define PKV_WRITE_ROW()                                                                    \
+    const ulong gid = get_global_id(0);                                                    \
+    const long at = pkv_stored_row(gid, slots, num_rows, num_kv_heads, page_size,         \
+                                   row_units, num_slots);                                  \
+    if (at >= 0)                                                                           \
+        for (int u = 0; u < row_units; ++u) pool[at + u] = rows[gid * (ulong)row_units + u]
+
+__kernel void read_rows_u32(__global const uint* pool, __global const long* slots,
+                            __global uint* rows, const int num_rows, const int num_kv_heads,
+                            const int page_size, const int row_units, const long num_slots) {
+    PKV_READ_ROW(0u);
+}
+
+__kernel void write_rows_u32(__global uint* pool, __global const long* slots,
+                             __global const uint* rows, const int num_rows,
+                             const int num_kv_heads, const int page_size, const int row_units,
+                             const long num_slots) {
+    PKV_WRITE_ROW();
+}
+
+__kernel void read_rows_u8(__global const uchar* pool, __global const long* slots,
+                           __global uchar* rows, const int num_rows, const int num_kv_heads,
+                           const int page_size, const int row_units, const long num_slots) {
+    PKV_READ_ROW((uchar)0);
+}
+
+__kernel void write_rows_u8(__global uchar* pool, __global const long* slots,
+                            __global const uchar* rows, const int num_rows,
+                            const int num_kv_heads, const int page_size, const int row_units,
+                            const long num_slots) {
+    PKV_WRITE_ROW();
 }

@@ -31,6 +31,7 @@ from pagedkv.cache import PagedKVCache
 from pagedkv.checkpoint import Checkpoint
 from pagedkv.step import StepBatch, WindowTables
 from pagedkv.storage import StorageFormat
+from pagedkv.transfer import SequenceKV
 from pagedkv.errors import (ArgumentTypeError, BackendUnavailableError, OutOfPagesError,
                             ReentrantCallError, UnknownSequenceError)
 from pagedkv._config import show_config
@@ -38,6 +39,7 @@ from pagedkv._version import __version__  # noqa: F401  (public: pagedkv.__versi
 
 __all__ = [
     "ArgumentTypeError", "BackendUnavailableError", "Checkpoint", "OutOfPagesError",
-    "PagedKVCache", "ReentrantCallError", "StepBatch", "StorageFormat", "UnknownSequenceError",
+    "PagedKVCache", "ReentrantCallError", "SequenceKV", "StepBatch", "StorageFormat",
+    "UnknownSequenceError",
     "WindowTables", "available_backends", "show_config",
 ]

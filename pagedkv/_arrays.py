@@ -7,6 +7,7 @@ costs no copy); the kernels then make the one float32 contiguous copy they
 need, if any.  torch is never imported here: a tensor is recognised by its
 type's module, and torch is used only when the caller already imported it.
 """
+import operator
 import sys
 
 import numpy as np
@@ -14,6 +15,12 @@ import numpy as np
 from pagedkv.errors import ArgumentTypeError
 
 _DLPACK_CPU = 1          # DLDeviceType kDLCPU
+#: The float dtypes the kernels take as numpy arrays (torch's bfloat16 arrives as
+#: float32); not float128, whose width differs between platforms.
+FLOAT_DTYPES = frozenset(np.dtype(t) for t in (np.float16, np.float32, np.float64))
+# Raised by the interpreter, not by a bad argument: they pass through as they came
+# (a failed call still changes nothing, since nothing was done yet).
+_INTERPRETER_ERRORS = (MemoryError, RecursionError)
 
 
 def is_torch_tensor(x):
@@ -69,14 +76,25 @@ def to_numpy(name, x):
             raise ArgumentTypeError(f"{name}: numpy cannot read this torch tensor "
                                     f"({exc})") from None
     if hasattr(x, "__dlpack__") and hasattr(x, "__dlpack_device__"):
-        device_type, device_id = x.__dlpack_device__()
-        if int(device_type) != _DLPACK_CPU:
-            raise ValueError(f"{name}: the array lives on DLPack device ({int(device_type)}, "
+        kind = type(x).__name__
+        try:
+            device = x.__dlpack_device__()
+            device_type, device_id = (operator.index(e) for e in device)
+        except _INTERPRETER_ERRORS:
+            raise
+        except Exception as exc:   # the object's own code: a wrong answer, or it raised
+            raise ArgumentTypeError(f"{name}: this {kind}'s __dlpack_device__() gave no "
+                                    f"(device_type, device_id) pair of ints "
+                                    f"({type(exc).__name__}: {exc})"[:300]) from exc
+        if device_type != _DLPACK_CPU:
+            raise ValueError(f"{name}: the array lives on DLPack device ({device_type}, "
                              f"{device_id}), not the CPU; copy it to host memory first")
         try:
             return np.from_dlpack(x)
-        except (TypeError, BufferError, RuntimeError) as exc:
-            raise ArgumentTypeError(f"{name}: numpy cannot read this {type(x).__name__} "
-                                    f"through DLPack ({exc})") from None
+        except _INTERPRETER_ERRORS:
+            raise
+        except Exception as exc:   # __dlpack__ raised, or gave no valid capsule
+            raise ArgumentTypeError(f"{name}: numpy cannot read this {kind} through DLPack "
+                                    f"({type(exc).__name__}: {exc})"[:300]) from exc
     raise ArgumentTypeError(f"{name}: expected a numpy array, a torch CPU tensor or an array "
                             f"with __dlpack__, got {type(x).__name__}")

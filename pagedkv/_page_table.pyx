@@ -24,6 +24,13 @@ that no later page holding those unwritten positions is cached either
 (they cache again once truncated back below them).  A window page is cached
 under the prefix-index entry of the full page at the same place in the
 chain, which identifies its content exactly.
+
+Sequences that leave the cache (see the last block of ``PageTables``): a
+sequence made for K/V that come from elsewhere (``adopt``) gets new pages,
+its window pages before its first needed position given back from the
+start; a swapped-out sequence keeps its id, length and token ids but no
+pages: it sits in ``swapped`` instead of the sequence map, so no table of it
+can reach a kernel, and ``find`` says it is swapped out.
 """
 import numbers
 
@@ -189,6 +196,7 @@ cdef class PageTables:
     cdef int64_t num_steps
     cdef readonly int64_t num_prompt_tokens    # passed to add(token_ids=...)
     cdef readonly int64_t num_reused_tokens    # of those, found in the prefix cache
+    cdef dict swapped                         # swapped-out id -> (length, known token ids)
 
     def __cinit__(self, PageAllocator allocator, hash_fn=None,
                   PageAllocator window_allocator=None, int64_t window=0, int64_t rollback=1):
@@ -204,6 +212,7 @@ cdef class PageTables:
         self.num_steps = 0
         self.num_prompt_tokens = 0
         self.num_reused_tokens = 0
+        self.swapped = {}
 
     cdef uint64_t page_hash(self, uint64_t parent_hash, const int32_t* tokens) except? 0:
         if self.hash_fn is None:
@@ -225,6 +234,9 @@ cdef class PageTables:
     cdef PkvSequence* find_id(self, int64_t seq_id) except NULL:
         it = self.seqs.find(seq_id)
         if it == self.seqs.end():
+            if seq_id in self.swapped:
+                raise ValueError(f"seq_id: sequence {seq_id} is swapped out (its K/V wait in "
+                                 f"host memory); swap_in({seq_id}) first")
             raise UnknownSequenceError(f"seq_id: no live sequence {seq_id} (never added, or freed)")
         return &deref(it).second
 
@@ -340,6 +352,9 @@ cdef class PageTables:
 
     def free(self, seq_id):
         """Drop the sequence; its pages go back to the pool once no one shares them."""
+        if self.swapped_entry(seq_id) is not None:
+            del self.swapped[int(seq_id)]
+            return
         cdef PkvSequence* seq = self.find(seq_id)
         self.abandon_step()
         self.drop(seq)
@@ -351,8 +366,11 @@ cdef class PageTables:
         for kv in self.seqs:
             self.drop(&kv.second)
         self.seqs.clear()
+        self.swapped.clear()
 
     def __contains__(self, seq_id):
+        if self.swapped_entry(seq_id) is not None:
+            return True
         try:
             self.find(seq_id)
         except UnknownSequenceError:
@@ -360,14 +378,18 @@ cdef class PageTables:
         return True
 
     def __len__(self):
-        return self.seqs.size()
+        return self.seqs.size() + len(self.swapped)
 
     def ids(self):
-        """Ids of the live sequences, ascending."""
-        return sorted(kv.first for kv in self.seqs)
+        """Ids of the live sequences (swapped-out ones included), ascending."""
+        return sorted([kv.first for kv in self.seqs] + list(self.swapped))
 
     def seq_len(self, seq_id):
-        """Tokens stored in the sequence."""
+        """Tokens stored in the sequence (swapped out or not)."""
+        if self.swapped:
+            entry = self.swapped_entry(seq_id)
+            if entry is not None:
+                return entry[0]
         return self.find(seq_id).length
 
     def pages(self, seq_id, bint window=False):
@@ -724,3 +746,305 @@ cdef class PageTables:
     def has_open_step(self):
         """Whether a step with prefix tracking waits for ``close_step``."""
         return not self.open_seqs.empty()
+
+    # -- sequences that leave the cache (export, import, save, load, swap) -------------
+    cdef object swapped_entry(self, seq_id):
+        """``(length, known token ids)`` of a swapped-out ``seq_id``, else None."""
+        if not self.swapped or isinstance(seq_id, bool) or \
+                not isinstance(seq_id, (int, np.integer)):
+            return None
+        return self.swapped.get(int(seq_id))
+
+    def is_swapped(self, seq_id):
+        """Whether ``seq_id`` is swapped out (UnknownSequenceError if it is not live)."""
+        if self.swapped_entry(seq_id) is not None:
+            return True
+        self.find(seq_id)
+        return False
+
+    def known_tokens(self, seq_id):
+        """The sequence's leading token ids that the cache knows (prefix caching:
+        all of them while ``len == seq_len``); ndarray, shape [known], int32 (a copy)."""
+        entry = self.swapped_entry(seq_id)
+        if entry is not None:
+            return entry[1].copy()
+        cdef PkvSequence* seq = self.find(seq_id)
+        out = np.empty(seq.tokens.size(), dtype=np.int32)
+        cdef int32_t[::1] view = out
+        if seq.tokens.size():
+            memcpy(&view[0], seq.tokens.data(), seq.tokens.size() * sizeof(int32_t))
+        return out
+
+    def swap_out(self, seq_id):
+        """Give the sequence's pages back (a page shared with another sequence stays
+        with it) and keep its id, length and known token ids, until ``swap_in``."""
+        cdef PkvSequence* seq = self.find(seq_id)
+        entry = (seq.length, self.known_tokens(seq_id))
+        self.abandon_step()
+        self.drop(seq)
+        self.seqs.erase(<int64_t>seq_id)
+        self.swapped[int(seq_id)] = entry
+
+    def adopt(self, int64_t length, token_ids=None, int64_t window_from=0, write=None):
+        """A new sequence of ``length`` tokens on new pages, for K/V that come from
+        elsewhere (import, load); returns its id.
+
+        All or nothing over both pools.  Its window pages before page
+        ``window_from`` are given back from the start.  ``token_ids`` (int32,
+        at most ``length``: the leading tokens the cache will know, with
+        prefix caching) extend into its hash chain.  ``write(seq_id)`` then
+        fills its K/V; once it returns, the full pages of known tokens join
+        the prefix cache, as a stored step's pages would.  If ``write``
+        raises, the sequence is dropped and the error propagates.
+
+        Raises
+        ------
+        OutOfPagesError
+            Too few free pages in either pool; nothing changed.
+        """
+        seq_id = self.next_id
+        self.place(seq_id, length, token_ids, window_from, write, "import")
+        self.next_id += 1
+        return seq_id
+
+    def swap_in(self, seq_id, int64_t window_from=0, write=None):
+        """Give a swapped-out sequence new pages (as ``adopt`` does, its window pages
+        before ``window_from`` given back) and its id, length and token ids again;
+        ``write(seq_id)`` fills its K/V.  All or nothing: it stays swapped out
+        when this raises (``OutOfPagesError``, or ``write``'s error)."""
+        entry = self.swapped_entry(seq_id)
+        if entry is None:
+            self.find(seq_id)
+            raise ValueError(f"seq_id: sequence {seq_id} is not swapped out")
+        self.place(int(seq_id), entry[0], entry[1], window_from, write, "swap_in")
+        del self.swapped[int(seq_id)]
+
+    cdef place(self, int64_t seq_id, int64_t length, token_ids, int64_t window_from, write,
+               str caller):
+        """``adopt`` and ``swap_in``: sequence ``seq_id`` of ``length`` tokens on new pages."""
+        cdef int64_t ps = self.page_size, j, num_pages = pages_for(length, ps)
+        cdef int64_t window_needed = num_pages - window_from if self.windowed else 0
+        cdef const int32_t[::1] tokens
+        cdef uint64_t h = ROOT_HASH
+        cdef PkvSequence seq
+        if not 0 <= window_from <= num_pages:
+            raise ValueError(f"window_from: expected 0 <= window_from <= {num_pages} pages, "
+                             f"got {window_from}")
+        if num_pages > self.allocator.num_free_pages:
+            raise OutOfPagesError(
+                f"{caller}: this sequence of {length} tokens needs {num_pages} pages, "
+                f"{self.allocator.num_free_pages} of {self.allocator.num_pages} free"
+                + (" in the full-attention pool" if self.windowed else ""))
+        if window_needed > 0 and window_needed > self.window_allocator.num_free_pages:
+            raise OutOfPagesError(
+                f"{caller}: this sequence of {length} tokens needs {window_needed} window pages, "
+                f"{self.window_allocator.num_free_pages} of {self.window_allocator.num_pages} "
+                f"free in the window pool (the sliding-window layers; num_window_pages)")
+        if self.caching and token_ids is not None and len(token_ids):
+            tokens = token_ids
+            if tokens.shape[0] > length:
+                raise ValueError(f"token_ids: expected at most {length} token ids, got "
+                                 f"{tokens.shape[0]}")
+            # hashed first: a user hash function may raise, and nothing is held yet
+            for j in range(tokens.shape[0] // ps):
+                h = self.page_hash(h, &tokens[j * ps])
+                seq.hashes.push_back(h)
+            seq.tokens.assign(&tokens[0], &tokens[0] + tokens.shape[0])
+        for j in range(num_pages):
+            seq.pages.push_back(self.allocator.take_page())
+        if self.windowed:
+            seq.window_pages.assign(window_from, RELEASED)
+            seq.window_released = window_from
+            for j in range(window_from, num_pages):
+                seq.window_pages.push_back(self.window_allocator.take_page())
+        seq.length = length
+        self.seqs[seq_id] = seq
+        try:
+            if write is not None:
+                write(seq_id)
+        except BaseException:
+            self.drop(self.find_id(seq_id))
+            self.seqs.erase(seq_id)
+            raise
+        self.cache_known_pages(self.find_id(seq_id))
+
+    cdef void cache_known_pages(self, PkvSequence* seq) noexcept nogil:
+        """Enter a written sequence's full pages of known tokens in the prefix index,
+        in chain order, with their window pages (as ``close_step`` does)."""
+        cdef int64_t j, parent_entry, ps = self.page_size
+        for j in range(<int64_t>seq.hashes.size()):
+            parent_entry = ROOT_ENTRY if j == 0 else self.allocator.entry_of(seq.pages[j - 1])
+            if parent_entry == 0 or not self.allocator.cache_page(
+                    seq.pages[j], seq.hashes[j], parent_entry, &seq.tokens[j * ps]):
+                continue
+            if self.windowed and seq.window_pages[j] != RELEASED:
+                self.window_allocator.cache_page(
+                    seq.window_pages[j], <uint64_t>self.allocator.entry_of(seq.pages[j]),
+                    ROOT_ENTRY, &seq.tokens[j * ps])
+
+    def cached_chains(self):
+        """The prefix cache's pages that a prompt can reach, parents first.
+
+        Returns
+        -------
+        dict of ndarray
+            ``pages`` [N] int32 (full-pool page ids), ``parents`` [N] int64
+            (index of each page's parent in these arrays, -1 for a prompt's
+            first page), ``tokens`` [N, page_size] int32, ``window_pages``
+            [N] int32 (the window pool's cached page of the same place, -1
+            when it is not cached or no layer is windowed).
+        """
+        cdef PageAllocator a = self.allocator
+        cdef int32_t p
+        cdef int64_t entry, parent
+        cdef list found = []
+        if self.caching:
+            for p in range(a.num_pages):
+                if a._entry[p]:
+                    found.append((a._entry[p], p))
+        found.sort()          # entries grow with each insertion: parents come first
+        index_of = {}
+        pages, parents, windows = [], [], []
+        for entry, p in found:
+            parent = a._parent_entry[p]
+            if parent != ROOT_ENTRY and parent not in index_of:
+                continue      # its parent was evicted: no prompt reaches it
+            index_of[entry] = len(pages)
+            pages.append(p)
+            parents.append(-1 if parent == ROOT_ENTRY else index_of[parent])
+            windows.append(self.window_allocator.lookup(<uint64_t>entry, ROOT_ENTRY,
+                                                        &a._tokens[p, 0])
+                           if self.windowed else -1)
+        page_ids = np.asarray(pages, dtype=np.int32)
+        return {"pages": page_ids, "parents": np.asarray(parents, dtype=np.int64),
+                "tokens": np.asarray(a._tokens)[page_ids].reshape(len(pages), self.page_size),
+                "window_pages": np.asarray(windows, dtype=np.int32)}
+
+    def add_cached_chains(self, token_ids, parents, has_window, write, int64_t reserve=0,
+                          int64_t reserve_window=0):
+        """Enter page chains from elsewhere (a file) in the prefix cache, as free,
+        evictable pages that prompts starting with their tokens hit.
+
+        A page already cached here (same tokens after the same parent) is
+        kept and not written again.  All or nothing.
+
+        Parameters
+        ----------
+        token_ids : ndarray, shape [N, page_size], int32
+        parents : ndarray, shape [N], int64
+            Each page's parent: an earlier index, or -1 for a prompt's first page.
+        has_window : ndarray, shape [N], bool
+            Whether the windowed layers' K/V of the page come too.
+        write : callable
+            ``write(pages, window_pages)``, two int32 arrays of shape [N]:
+            fill the K/V of page ``i`` into ``pages[i]`` and ``window_pages[i]``
+            where they are >= 0 (the pages not cached here yet).  If it raises,
+            nothing stays taken or cached, and the error propagates.
+        reserve, reserve_window : int
+            Pages of each pool that must stay free besides (for sequences the
+            caller places next); the pages entered here are evicted after any
+            other free page.
+
+        Returns
+        -------
+        int
+            Pages of the chains that are now cached here (new or already there).
+
+        Raises
+        ------
+        OutOfPagesError
+            Too few free pages; nothing changed.
+        """
+        cdef const int32_t[:, ::1] tokens = token_ids
+        cdef const int64_t[::1] parent = parents
+        cdef const cnp.uint8_t[::1] window = has_window.view(np.uint8)
+        cdef Py_ssize_t N = tokens.shape[0], i
+        cdef int64_t entry, needed = 0, window_needed = 0, busy = 0, window_busy = 0
+        if tokens.shape[1] != self.page_size or parent.shape[0] != N or window.shape[0] != N:
+            raise ValueError(f"token_ids, parents, has_window: expected shapes [N, "
+                             f"{self.page_size}], [N], [N], got {list(token_ids.shape)}, "
+                             f"{list(parents.shape)}, {list(has_window.shape)}")
+        hashes = np.zeros(N, dtype=np.uint64)
+        cdef uint64_t[::1] h = hashes
+        pages_out = np.full(N, -1, dtype=np.int32)
+        window_out = np.full(N, -1, dtype=np.int32)
+        write_pages = np.full(N, -1, dtype=np.int32)
+        write_window = np.full(N, -1, dtype=np.int32)
+        cdef int32_t[::1] page = pages_out, wpage = window_out
+        cdef int32_t[::1] new_page = write_pages, new_wpage = write_window
+        # Plan: hash every page, find those cached here already; nothing changes yet.
+        for i in range(N):
+            if not -1 <= parent[i] < i:
+                raise ValueError(f"parents: page {i} names parent {parent[i]}; expected -1 or "
+                                 f"an earlier page")
+            h[i] = self.page_hash(ROOT_HASH if parent[i] < 0 else h[parent[i]], &tokens[i, 0])
+            entry = ROOT_ENTRY if parent[i] < 0 else \
+                (self.allocator.entry_of(page[parent[i]]) if page[parent[i]] >= 0 else 0)
+            if entry != 0:
+                page[i] = self.allocator.lookup(h[i], entry, &tokens[i, 0])
+            if page[i] >= 0:
+                busy += self.allocator.refcount_of(page[i]) == 0
+                if self.windowed and window[i]:
+                    wpage[i] = self.window_allocator.lookup(
+                        <uint64_t>self.allocator.entry_of(page[i]), ROOT_ENTRY, &tokens[i, 0])
+                    if wpage[i] >= 0:
+                        window_busy += self.window_allocator.refcount_of(wpage[i]) == 0
+                    else:
+                        window_needed += 1
+            else:
+                needed += 1
+                window_needed += self.windowed and window[i]
+        if needed + reserve + busy > self.allocator.num_free_pages:
+            raise OutOfPagesError(
+                f"load: the prefix cache's chains need {needed} pages besides the "
+                f"sequences' {reserve}, {self.allocator.num_free_pages - busy} of "
+                f"{self.allocator.num_pages} free"
+                + (" in the full-attention pool" if self.windowed else ""))
+        if self.windowed and window_needed + reserve_window + window_busy > \
+                self.window_allocator.num_free_pages:
+            raise OutOfPagesError(
+                f"load: the prefix cache's chains need {window_needed} window pages besides "
+                f"the sequences' {reserve_window}, "
+                f"{self.window_allocator.num_free_pages - window_busy} of "
+                f"{self.window_allocator.num_pages} free in the window pool")
+        # Commit: hold the pages found (before any take could evict one), take the
+        # new ones, write, cache, let go.
+        for i in range(N):
+            if page[i] >= 0:
+                self.allocator.acquire(page[i])
+            if wpage[i] >= 0:
+                self.window_allocator.acquire(wpage[i])
+        for i in range(N):
+            if page[i] < 0:
+                page[i] = new_page[i] = self.allocator.take_page()
+            if self.windowed and window[i] and wpage[i] < 0:
+                wpage[i] = new_wpage[i] = self.window_allocator.take_page()
+        try:
+            write(write_pages, write_window)
+        except BaseException:
+            self.release_chains(page, wpage)
+            raise
+        cdef int64_t joined = 0
+        for i in range(N):
+            entry = ROOT_ENTRY if parent[i] < 0 else self.allocator.entry_of(page[parent[i]])
+            if new_page[i] >= 0 and entry != 0:
+                self.allocator.cache_page(page[i], h[i], entry, &tokens[i, 0])
+            if self.allocator.entry_of(page[i]) == 0:
+                continue
+            joined += 1
+            if new_wpage[i] >= 0:
+                self.window_allocator.cache_page(
+                    wpage[i], <uint64_t>self.allocator.entry_of(page[i]), ROOT_ENTRY,
+                    &tokens[i, 0])
+        self.release_chains(page, wpage)
+        return joined
+
+    cdef void release_chains(self, int32_t[::1] page, int32_t[::1] wpage) noexcept nogil:
+        """Drop the references ``add_cached_chains`` took, last page first (so that
+        a chain's tail is evicted before its head)."""
+        cdef Py_ssize_t i
+        for i in range(page.shape[0] - 1, -1, -1):
+            if page[i] >= 0:
+                self.allocator.decref_page(page[i])
+            if wpage[i] >= 0:
+                self.window_allocator.decref_page(wpage[i])

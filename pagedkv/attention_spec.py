@@ -13,6 +13,7 @@ from typing import Optional
 
 import numpy as np
 
+from pagedkv._arrays import FLOAT_DTYPES
 from pagedkv.errors import ArgumentTypeError
 
 #: Positions are int32, so a window this wide already sees every position.
@@ -108,8 +109,9 @@ class AttentionSpec:
         if values.shape != (num_heads,):
             raise ValueError(f"sinks: expected shape [{num_heads}] (one per query head), "
                              f"got {list(values.shape)}")
-        if values.dtype.kind not in "fiu":
-            raise ArgumentTypeError(f"sinks: expected floats, got dtype {values.dtype}")
+        if values.dtype.kind not in "iu" and values.dtype not in FLOAT_DTYPES:
+            raise ArgumentTypeError(f"sinks: expected float16, float32, float64 or int values, "
+                                    f"got dtype {values.dtype}")
         with np.errstate(over="ignore", invalid="ignore"):
             single = values.astype(np.float32)
         if not np.isfinite(single).all():

@@ -26,6 +26,8 @@ from pagedkv.checkpoint import Checkpoint, CheckpointBook
 from pagedkv.errors import ArgumentTypeError
 from pagedkv.step import StepBatch
 from pagedkv.storage import NAMES as _STORAGE_NAMES, storage_format
+from pagedkv import transfer
+from pagedkv.transfer import SequenceKV
 
 # What the page allocator keeps per page (ref count, free-queue links, hash,
 # cache entries) and, with prefix caching, per cached token.
@@ -146,6 +148,7 @@ class PagedKVCache:
             raise ArgumentTypeError(f"kv_rotation: expected a bool, got {kv_rotation!r}")
         #: The storage format (:class:`pagedkv.storage.StorageFormat`).
         self.storage = storage_format(self._check_dtype(dtype), self.head_dim, kv_rotation)
+        self.kv_rotation = kv_rotation
         self.dtype = self.storage.element
         self.max_seq_len = None if max_seq_len is None else \
             check_int("max_seq_len", max_seq_len, minimum=1, maximum=2**31 - 1)
@@ -190,6 +193,7 @@ class PagedKVCache:
                              [i for i, w in enumerate(self.layer_windows) if w is not None])
         self._checkpoints = CheckpointBook(self)
         self._generation = 0
+        self._swapped: Dict[int, SequenceKV] = {}   # swapped-out id -> its K/V in host memory
 
     def __copy__(self):
         raise TypeError("PagedKVCache cannot be copied: two facades over one page table "
@@ -324,8 +328,10 @@ class PagedKVCache:
 
     @exclusive
     def free(self, seq_id: int) -> None:
-        """Drop the sequence; its pages return to the pool once no sequence uses them."""
+        """Drop the sequence (swapped out or not); its pages return to the pool once no
+        sequence uses them."""
         self._tables.free(seq_id)
+        self._swapped.pop(int(seq_id), None)
         self._checkpoints.forget(seq_id)
         self._generation += 1
 
@@ -392,6 +398,7 @@ class PagedKVCache:
         for seq_id in self._tables.ids():
             self._checkpoints.forget(seq_id)
         self._tables.clear()
+        self._swapped.clear()
         self._generation += 1
 
     # -- one step ------------------------------------------------------------------
@@ -446,8 +453,12 @@ class PagedKVCache:
             raise ArgumentTypeError(f"batch: expected a StepBatch from this cache's append(), "
                                     f"got {type(batch).__name__}")
         if batch._generation != self._generation:
+            swapped = [s for s in batch._private["seq_ids"].tolist() if s in self._swapped]
+            if swapped:
+                raise ValueError(f"batch: stale; sequence {swapped[0]} of this batch is swapped "
+                                 f"out (swap_in and append again)")
             raise ValueError("batch: stale; the cache's pages changed since this append() "
-                             "(append, truncate, restore, free or clear); append again")
+                             "(append, truncate, restore, free, swap_out or clear); append again")
         return layer
 
 
@@ -570,7 +581,9 @@ class PagedKVCache:
             ``add_sequence``), ``num_evictions``; with windowed layers, the
             same for the window pool: ``num_free_window_pages``,
             ``num_used_window_pages``, ``num_shared_window_pages``,
-            ``num_cached_window_pages``, ``num_window_evictions``.
+            ``num_cached_window_pages``, ``num_window_evictions``;
+            ``num_swapped_sequences`` and ``swapped_bytes`` (their K/V waiting
+            in host memory, see ``swap_out``).
         """
         prompt = self._tables.num_prompt_tokens
         stats = self._pool_stats(self._allocator, "pages")
@@ -579,6 +592,8 @@ class PagedKVCache:
         if self._window_allocator is not None:
             stats.update(self._pool_stats(self._window_allocator, "window_pages"))
             stats["num_window_evictions"] = int(self._window_allocator.num_evictions)
+        stats["num_swapped_sequences"] = len(self._swapped)
+        stats["swapped_bytes"] = sum(kv.nbytes for kv in self._swapped.values())
         return stats
 
     @staticmethod
@@ -638,6 +653,141 @@ class PagedKVCache:
         pos = check_int("pos", pos, minimum=0, maximum=length - 1)
         k, v = self._backend.gather(layer, self._slots(layer, seq_id, pos, pos + 1, "pos"))
         return k[0], v[0]
+
+    # -- sequences that leave the cache (pagedkv.transfer, pagedkv.kv_file) -------------
+    @exclusive
+    def export_sequence(self, seq_id: int) -> SequenceKV:
+        """A self-contained copy of the sequence's K/V (swapped out or not).
+
+        Returns
+        -------
+        SequenceKV
+            Per layer, K and V of the positions the layer holds (every
+            position; a windowed layer only those it still holds), as
+            ``[num_tokens - layer_start[l], num_kv_heads, head_dim]`` arrays of
+            the stored bits, plus int8's row scales and, with prefix caching,
+            the token ids.  Numpy and plain metadata only: it pickles and is
+            independent of backend, page size and process.
+        """
+        return transfer.export_sequence(self, seq_id)
+
+    @exclusive
+    def import_sequence(self, kv: SequenceKV) -> int:
+        """A new sequence holding ``kv``'s K/V; returns its id.  All or nothing.
+
+        ``kv`` may come from any cache of the same ``num_layers``,
+        ``num_kv_heads`` and ``head_dim``, whatever its backend, page size or
+        storage dtype.  The same dtype (and rotation) imports bit-exactly:
+        ``gather`` of the new sequence equals the old one's bit for bit.
+        Another dtype converts as ``store`` would convert the exported values
+        (``gather`` of the source).  A windowed layer keeps only what its
+        window needs.  With prefix caching and ``kv.token_ids``, the full
+        pages join the prefix cache as if stored here.
+
+        Raises
+        ------
+        ValueError
+            ``kv`` is inconsistent or of another shape (the message names the
+            field), or a layer of this cache needs positions ``kv`` does not
+            hold (a full layer, or a larger window, than the source layer
+            had; the message names the layer).
+        OutOfPagesError
+            Too few free pages in either pool.  Nothing changed.
+        """
+        transfer.check_fits(self, kv)
+        return transfer.import_sequence(self, kv)
+
+    @exclusive
+    def swap_out(self, seq_id: int) -> None:
+        """Preempt the sequence without losing its K/V: they move to host memory
+        (off the device, on opencl) and its pages go back to their pools (pages
+        shared with other sequences stay with them).  Makes earlier batches stale.
+
+        Until ``swap_in``, ``append``, ``store``, ``attention``, ``gather``,
+        ``read_token``, ``fork``, ``truncate`` and ``restore`` involving it are
+        a ``ValueError`` saying it is swapped out; ``seq_len``, ``free``,
+        ``checkpoint`` and ``export_sequence`` work.
+        """
+        transfer.swap_out(self, seq_id)
+        self._generation += 1
+
+    @exclusive
+    def swap_in(self, seq_id: int) -> None:
+        """Bring a swapped-out sequence back on new pages, with the same id, length
+        and K/V (``gather`` returns the same bits as before ``swap_out``).
+
+        Raises
+        ------
+        ValueError
+            It is not swapped out.
+        OutOfPagesError
+            Too few free pages; it stays swapped out and nothing changed.
+        """
+        transfer.swap_in(self, seq_id)
+
+    @exclusive
+    def is_swapped(self, seq_id: int) -> bool:
+        """Whether the sequence is swapped out."""
+        return self._tables.is_swapped(seq_id)
+
+    @exclusive
+    def save(self, path: Any, seq_ids: Optional[Sequence[int]] = None) -> None:
+        """Write sequences and, with prefix caching, every cached page chain to one
+        safetensors file at ``path``, atomically.
+
+        Parameters
+        ----------
+        path : str or os.PathLike
+        seq_ids : sequence of int, optional
+            The sequences to save, in this order (default: every live one,
+            ascending; swapped-out ones included).  With prefix caching the
+            cached chains (also those of freed sequences still cached) are
+            saved whatever ``seq_ids`` is.
+
+        Notes
+        -----
+        The file's metadata carry ``pagedkv_format_version``, a ``checksum``
+        (``"crc32:<hex>"`` over every tensor's name, dtype, shape and bytes and
+        the other metadata) and this cache's configuration under the
+        constructor's argument names.  It is written to a temporary file in
+        the same folder, flushed to disk and renamed over ``path``: a failure
+        part way leaves an earlier file at ``path`` as it was and no
+        temporary file behind.
+
+        Raises
+        ------
+        OSError
+            The file could not be written (nothing at ``path`` changed).
+        """
+        from pagedkv import kv_file
+        kv_file.save(self, path, seq_ids)
+
+    @exclusive
+    def load(self, path: Any) -> List[int]:
+        """Import the sequences of a file ``save`` wrote, and make its cached page
+        chains prefix-cache hits here.  All or nothing.
+
+        The file loads into any cache that ``import_sequence`` would accept
+        (page size and dtype may differ and convert the same way); a cache
+        without prefix caching takes its sequences only.  Nothing in it is
+        executed.
+
+        Returns
+        -------
+        list of int
+            The new sequences' ids, in the saved order.
+
+        Raises
+        ------
+        ValueError
+            The file is missing, truncated, corrupted, not a pagedkv file, or
+            does not fit this cache; the message names the path and the
+            problem.
+        OutOfPagesError
+            Too few free pages.  Either way nothing changed.
+        """
+        from pagedkv import kv_file
+        return kv_file.load(self, path)
 
     def __repr__(self) -> str:
         return (f"PagedKVCache(num_layers={self.num_layers}, num_kv_heads={self.num_kv_heads}, "

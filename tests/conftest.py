@@ -6,6 +6,10 @@ test device (``opencl_devices.TEST_DEVICES``, picked by
 ``$PAGEDKV_TEST_DEVICES`` or ``$PYOPENCL_TEST``); an OpenCL param hands the
 test ``"opencl"`` with ``PAGEDKV_DEVICE`` set to that device, so the cache
 runs there.  Tests marked ``one_opencl_device`` run on the primary device only.
+
+Tests marked ``slow`` are the few that take most of the suite's time (whole
+models, builds, emulators, simulators, model checkers); ``pytest -m "not
+slow"`` leaves them out for a first check, and CI runs everything.
 """
 import os
 
@@ -19,6 +23,10 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers", "one_opencl_device: run on the primary OpenCL test device only (whole-model "
                    "tests, to keep the suite's time in bounds)")
+    config.addinivalue_line(
+        "markers", "slow: one of the tests that take most of the suite's time (whole models, "
+                   "sanitizer and fallback builds, qemu, Oclgrind, model checkers); "
+                   "-m 'not slow' leaves them out")
 
 
 def pytest_generate_tests(metafunc):

@@ -136,4 +136,6 @@ class PrefixCacheModel:
             "num_cached_pages": sum(p in self.prefix_of for p in self.queue),
             "prefix_hit_rate": self.reused_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
             "num_evictions": self.evictions,
+            "num_swapped_sequences": 0,       # the model never swaps
+            "swapped_bytes": 0,
         }

@@ -239,6 +239,7 @@ def test_ci_has_qemu():
                                              "Linux x86-64")
 @pytest.mark.skipif(QEMU is None, reason="needs qemu-x86_64 (Debian's qemu-user)")
 @pytest.mark.parametrize("cpu_model,expected", [("Haswell", "avx2"), ("Nehalem", "baseline")])
+@pytest.mark.slow
 def test_an_emulated_older_cpu_runs_its_level_correctly(tmp_path, cpu_model, expected):
     if expected not in _cpu.BUILT:
         pytest.skip(f"the {expected!r} level is not built")

@@ -1,5 +1,8 @@
 """Bad input: every public call raises its specific exception, names the argument,
 and changes nothing.  On every backend."""
+import os
+import tempfile
+
 import numpy as np
 import pytest
 
@@ -27,6 +30,18 @@ def snapshot(cache):
 def kv(n=3, h=H, d=D, dtype=np.float32):
     return np.zeros((n, h, d), dtype)
 
+
+def exported(n=3, h=H):
+    """A SequenceKV of ``n`` tokens from a host cache with ``h`` KV heads."""
+    cache = pagedkv.PagedKVCache(2, h, D, num_pages=16, page_size=4, backend="host")
+    s = cache.add_sequence()
+    batch = cache.append([s], n)
+    for layer in range(2):
+        cache.store(layer, batch, kv(n, h), kv(n, h))
+    return cache.export_sequence(s)
+
+
+NEVER_WRITTEN = os.path.join(tempfile.gettempdir(), "pagedkv-test-never-written.safetensors")
 
 BAD_CALLS = [
     # (description, call(cache, s, batch), exception, message fragment)
@@ -61,10 +76,17 @@ BAD_CALLS = [
     ("store k rows", lambda c, s, b: c.store(0, b, kv(4), kv()), ValueError, "k: expected shape [3, 2, 8], got [4, 2, 8]"),
     ("store v heads", lambda c, s, b: c.store(0, b, kv(), kv(h=3)), ValueError, "v: expected shape"),
     ("store k int", lambda c, s, b: c.store(0, b, kv(dtype=np.int32), kv()), TypeError, "float dtype"),
+    ("store k float128", lambda c, s, b: c.store(0, b, kv(dtype=np.longdouble), kv()), TypeError,
+     "k: expected a float dtype (float16, bfloat16, float32 or float64)"),
     ("store k list", lambda c, s, b: c.store(0, b, [[1.0]], kv()), TypeError, "k: expected"),
     ("store bad batch", lambda c, s, b: c.store(0, "batch", kv(), kv()), TypeError, "batch"),
     ("attention heads", lambda c, s, b: c.attention(0, b, kv(h=3)), ValueError, "multiple of num_kv_heads=2"),
     ("attention dim", lambda c, s, b: c.attention(0, b, kv(h=4, d=7)), ValueError, "q: expected shape"),
+    ("attention q float128", lambda c, s, b: c.attention(0, b, kv(h=4, dtype=np.longdouble)),
+     TypeError, "q: expected a float dtype"),
+    ("attention sinks float128",
+     lambda c, s, b: c.attention(0, b, kv(h=4), sinks=np.zeros(4, np.longdouble)), TypeError,
+     "sinks: expected float16, float32, float64 or int values"),
     ("attention scale", lambda c, s, b: c.attention(0, b, kv(h=4), scale=-1.0), ValueError, "scale"),
     ("attention scale nan", lambda c, s, b: c.attention(0, b, kv(h=4), scale=float("nan")), ValueError, "scale"),
     ("attention not stored", lambda c, s, b: c.attention(1, b, kv(h=4)), ValueError, "not stored"),
@@ -72,6 +94,24 @@ BAD_CALLS = [
     ("gather unknown", lambda c, s, b: c.gather(0, 7), KeyError, "7"),
     ("read_token pos", lambda c, s, b: c.read_token(0, s, 3), ValueError, "pos"),
     ("refcount page", lambda c, s, b: c.refcount(8), ValueError, "page_id"),
+    ("export unknown", lambda c, s, b: c.export_sequence(99), KeyError, "99"),
+    ("import junk", lambda c, s, b: c.import_sequence({"keys": ()}), TypeError,
+     "kv: expected a pagedkv.SequenceKV"),
+    ("import other heads", lambda c, s, b: c.import_sequence(exported(h=1)), ValueError,
+     "kv.num_kv_heads: this cache has num_kv_heads=2, the sequence's K/V 1"),
+    ("import past max_seq_len", lambda c, s, b: c.import_sequence(exported(21)), ValueError,
+     "max_seq_len=20"),
+    ("swap_out unknown", lambda c, s, b: c.swap_out(42), KeyError, "42"),
+    ("swap_in not swapped", lambda c, s, b: c.swap_in(s), ValueError, "not swapped out"),
+    ("is_swapped unknown", lambda c, s, b: c.is_swapped(7), KeyError, "7"),
+    ("save path type", lambda c, s, b: c.save(3.5), TypeError, "path: expected a str"),
+    ("save unknown seq", lambda c, s, b: c.save(NEVER_WRITTEN, [s, 99]), KeyError, "99"),
+    ("save seq twice", lambda c, s, b: c.save(NEVER_WRITTEN, [s, s]), ValueError, "distinct"),
+    ("save float seq ids", lambda c, s, b: c.save(NEVER_WRITTEN, [0.5]), TypeError, "seq_ids"),
+    ("save into no folder", lambda c, s, b: c.save("/nonexistent-folder/kv.safetensors"),
+     OSError, "nonexistent-folder"),
+    ("load missing", lambda c, s, b: c.load(NEVER_WRITTEN), ValueError, "no such file"),
+    ("load path type", lambda c, s, b: c.load(None), TypeError, "path: expected a str"),
 ]
 
 

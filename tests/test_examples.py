@@ -3,9 +3,10 @@
 - ``examples/engine_loop.py`` (a toy decoder over ``PagedKVCache``): it runs
   as a script, and the logits of every generated token equal a dense,
   cache-free forward pass over the same tokens, on every backend;
-- the README's prefix-caching snippet, extracted and executed as it stands;
+- the README's API snippet and the prefix-caching snippet of
+  ``docs/prefix-caching.md``, extracted and executed as they stand;
 - the transformers examples (``examples/hf_*.py``: attention only, ``generate``,
-  ``generate_batch``) run as scripts on SmolLM2 and print what they claim.
+  ``generate_batch``) run on SmolLM2 and print what they claim.
 """
 import importlib.util
 import re
@@ -22,6 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 ENGINE_LOOP = ROOT / "examples" / "engine_loop.py"
 README = ROOT / "README.md"
+PREFIX_CACHING_DOC = ROOT / "docs" / "prefix-caching.md"
 
 
 def load_example(path):
@@ -66,20 +68,33 @@ def test_engine_loop_logits_equal_a_dense_forward_pass(backend):
         assert new == [int(row.argmax()) for row in got]
 
 
-def readme_block(heading):
-    """The first ```python block after the README line ``heading``."""
-    if not README.exists():
-        pytest.skip("README.md is not here (tests run from a copy without the repository)")
-    text = README.read_text()
-    start = text.index(f"\n{heading}\n")
+def first_python_block(path, heading=None):
+    """The first ```python block of the Markdown file ``path`` (after the line
+    ``heading``, if given)."""
+    if not path.exists():
+        pytest.skip(f"{path} is not here (tests run from a copy without the repository)")
+    text = path.read_text()
+    start = 0 if heading is None else text.index(f"\n{heading}\n")
     match = re.compile(r"```python\n(.*?)```", re.S).search(text, start)
-    assert match, f"no python block after {heading!r}"
+    assert match, f"no python block in {path} after {heading!r}"
     return match.group(1)
 
 
-def test_readme_prefix_caching_snippet_runs_as_written(capsys):
+def test_readme_api_snippet_runs_as_written():
     namespace = {}
-    exec(compile(readme_block("## Prefix caching"), "README.md", "exec"), namespace)
+    exec(compile(first_python_block(README, "## The API in brief"), str(README), "exec"),
+         namespace)
+    cache, a, b = namespace["cache"], namespace["a"], namespace["b"]
+    assert namespace["out"].shape == (107, 32, 128)
+    assert cache.seq_len(a) == 100                       # restored to the checkpoint
+    assert namespace["k"].shape == (cache.seq_len(b), 8, 128) == (8, 8, 128)
+    assert namespace["c"] not in cache.seq_ids()        # freed
+
+
+def test_prefix_caching_snippet_runs_as_written(capsys):
+    namespace = {}
+    exec(compile(first_python_block(PREFIX_CACHING_DOC), str(PREFIX_CACHING_DOC), "exec"),
+         namespace)
     cache = namespace["cache"]
     # the second request of the same 100-token prompt reused its six full pages
     assert namespace["done"] == 96
@@ -88,6 +103,7 @@ def test_readme_prefix_caching_snippet_runs_as_written(capsys):
     assert cache.num_free_pages == cache.num_pages
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, expected", [
     # greedy SmolLM2: its known continuation, and what each example says about the cache
     ("hf_attention", [r"in no particular order: Paris,' -> ' Rome, London,",

@@ -20,6 +20,9 @@ import pytest
 import pagedkv
 from pagedkv.backends import host
 
+# builds the kernels without vector extensions first
+pytestmark = pytest.mark.slow
+
 SETUP = textwrap.dedent("""
     import os, numpy as np
     from Cython.Build import cythonize

@@ -280,6 +280,7 @@ class CacheMachine(RuleBasedStateMachine):
         assert self.cache.num_free_pages == NUM_PAGES
 
 
+@pytest.mark.slow
 def test_random_calls_keep_the_cache_consistent(backend):
     machine = type(f"Machine_{backend}", (CacheMachine,), {"backend": backend})
     machine.TestCase.settings = settings(

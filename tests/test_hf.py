@@ -15,15 +15,17 @@ attention is right.
 Also: padding never reaches the cache, the prefix cache inside
 ``generate_batch`` (a repeated prompt computes only its new tokens), the
 attention-only way (``PagedCache.step``), sampling names, beam search and
-assisted decoding (fork and truncate under ``generate``), and the errors.
+assisted decoding (fork and truncate under ``generate``), the errors, and the
+demo's ``--hf-model``.
 """
 import pytest
 
 from hf_models import (greedy_alone, load_model, one_torch_thread, padded, random_prompt,
                        require_hf, sdpa)
 
-# whole-model tests: the engine more than the kernels, so one OpenCL device is enough
-pytestmark = pytest.mark.one_opencl_device
+# whole-model tests: the engine more than the kernels, so one OpenCL device is enough;
+# slow (the configs pagedkv cannot serve are tests/test_hf_config.py, in the quick subset)
+pytestmark = [pytest.mark.one_opencl_device, pytest.mark.slow]
 
 KV_DTYPES = ["float32", "float16"]
 #: The smallest logit gap of the oracle's greedy choices these prompts must have (float16
@@ -295,68 +297,6 @@ def test_gemma3_generate_batch_passes_the_window(gemma3, gemma3_expected, backen
     assert pagedkv.hf.generate_batch(gemma3, GEMMA3_PROMPTS, GEMMA3_NEW, backend=backend,
                                      dtype=kv_dtype, max_num_batched_tokens=256) == \
         gemma3_expected
-
-
-# -- configs pagedkv cannot serve --------------------------------------------------------------
-def tiny_llama_config(**overrides):
-    from transformers import LlamaConfig
-    options = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
-                   num_key_value_heads=2, intermediate_size=128, vocab_size=100)
-    options.update(overrides)
-    return LlamaConfig(**options)
-
-
-def test_the_config_is_read():
-    import pagedkv.hf
-    from transformers import Gemma3TextConfig
-    spec = pagedkv.hf.read_model_attention(Gemma3TextConfig(
-        num_hidden_layers=3, layer_types=["sliding_attention", "sliding_attention",
-                                          "full_attention"],
-        sliding_window=64, head_dim=32, num_attention_heads=4, num_key_value_heads=1,
-        query_pre_attn_scalar=16, attn_logit_softcapping=30.0))
-    assert (spec.num_layers, spec.num_heads, spec.num_kv_heads, spec.head_dim) == (3, 4, 1, 32)
-    assert spec.layer_windows == (64, 64, None)
-    assert spec.scale == pytest.approx(0.25) and spec.logits_soft_cap == 30.0
-    assert pagedkv.hf.read_model_attention(tiny_llama_config()).layer_windows == (None, None)
-
-
-def _with_layer_types(types):
-    config = tiny_llama_config()
-    config.layer_types = types
-    return config
-
-
-@pytest.mark.parametrize("config, named", [
-    (lambda: __import__("transformers").Qwen3NextConfig(num_hidden_layers=4),
-     r"config.layer_types\[0\]: 'linear_attention' has no mapping"),
-    (lambda: __import__("transformers").Llama4TextConfig(num_hidden_layers=4),
-     r"config.layer_types\[0\]: 'chunked_attention' has no mapping"),
-    (lambda: _with_layer_types(["full_attention", "mystery_attention"]),
-     r"config.layer_types\[1\]: 'mystery_attention' has no mapping"),
-    (lambda: tiny_llama_config(num_attention_heads=4, num_key_value_heads=3),
-     "config.num_key_value_heads: 3 does not divide num_attention_heads=4"),
-    (lambda: __import__("transformers").Gemma3TextConfig(use_bidirectional_attention=True),
-     "config.use_bidirectional_attention"),
-    (lambda: __import__("transformers").DeepseekV3Config(num_hidden_layers=2),
-     "config.kv_lora_rank"),
-    (lambda: __import__("transformers").T5Config(), "config.is_encoder_decoder"),
-    (lambda: {"num_hidden_layers": 2}, "config: expected a transformers PretrainedConfig"),
-])
-def test_configs_pagedkv_cannot_serve_are_named(config, named):
-    import pagedkv.hf
-    with pytest.raises(pagedkv.hf.UnsupportedModelError, match=named):
-        pagedkv.hf.PagedCache(config(), num_pages=4, backend="host")
-
-
-def test_a_head_dim_the_backend_cannot_take_is_named():
-    import pagedkv
-    import pagedkv.hf
-    if "opencl" not in pagedkv.available_backends():
-        pytest.skip("needs an OpenCL device (the host backend takes any head_dim)")
-    config = tiny_llama_config(head_dim=4096, hidden_size=64)
-    with pytest.raises(pagedkv.hf.UnsupportedModelError,
-                       match="config.head_dim: 4096 .* cannot be served by the 'opencl' backend"):
-        pagedkv.hf.PagedCache(config, num_pages=1, backend="opencl")
 
 
 # -- the demo --------------------------------------------------------------------------------

@@ -149,8 +149,8 @@ def run_and_collect(engine, arrivals):
         for event in engine.step():
             events[event.request_id].append(event)
         step += 1
-        # a finished request's sequence is gone at once
-        assert len(engine.cache.seq_ids()) == engine.num_running
+        # a finished request's sequence is gone at once (a swapped-out one keeps its own)
+        assert len(engine.cache.seq_ids()) == engine.num_running + len(engine.scheduler.swapped)
     return events, prompts
 
 
@@ -198,17 +198,32 @@ def test_engine_matches_dense_forward_with_chunked_prefill(backend, checkpoint, 
     assert engine.stats.decode_tokens == sum(n - 1 for n in [6, 4, 5, 3, 4, 7])
 
 
-def test_engine_preempts_and_recomputes_when_pages_run_out(backend, checkpoint, model):
-    """A pool too small for every request at once: the newest is preempted and
-    recomputed later, and every logit still matches the dense forward."""
+class NoSwapCache(RecordingCache):
+    """A cache without swap_out / swap_in: the engine preempts by recomputing."""
+
+    def __getattr__(self, name):
+        if name in ("swap_out", "swap_in"):
+            raise AttributeError(name)
+        return super().__getattr__(name)
+
+
+@pytest.mark.parametrize("swaps", [True, False], ids=["swap", "recompute"])
+def test_engine_preempts_when_pages_run_out(backend, checkpoint, model, swaps):
+    """A pool too small for every request at once: the newest is preempted (swapped
+    out to host memory and back in, or recomputed later), and every logit still
+    matches the dense forward."""
     rng = np.random.default_rng(3)
     prompts = [rng.integers(0, CONFIG.vocab_size, n).tolist() for n in (10, 7, 12)]
     cache = make_cache(backend, num_pages=9)
-    engine = Engine(model, cache, max_num_seqs=4, max_num_batched_tokens=16)
+    engine = Engine(model, cache if swaps else NoSwapCache(cache), max_num_seqs=4,
+                    max_num_batched_tokens=16)
     events, collected = run_and_collect(engine, {0: [(p, 8) for p in prompts]})
     assert engine.stats.num_preemptions > 0
+    assert engine.stats.num_swaps == (engine.stats.num_preemptions if swaps else 0)
+    # the prompts' 29 tokens: each computed once with swap, some twice with recompute
+    assert (engine.stats.prefill_tokens == 29) == swaps
     assert_matches_dense(checkpoint, events, collected)
-    assert cache.num_free_pages == cache.num_pages
+    assert cache.num_free_pages == cache.num_pages and cache.stats()["swapped_bytes"] == 0
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
@@ -374,3 +389,32 @@ def test_core_and_engine_need_none_of_the_demo_dependencies():
     result = run_python(code)
     assert result.returncode == 1, result.stderr
     assert 'pip install "pagedkv[demo]"' in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_request_prefilled_elsewhere_decodes_as_if_prefilled_here(backend, checkpoint, model):
+    """Disaggregation without Ray: one engine prefills (exporting each prompt's K/V as
+    it finishes), another imports and decodes; the tokens match one engine's."""
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(0, CONFIG.vocab_size, n).tolist() for n in (9, 4, 14)]
+    exported = {}
+    prefill_cache = make_cache(backend, num_pages=32, enable_prefix_caching=True)
+    prefill = Engine(model, prefill_cache, on_finish=lambda r: exported.__setitem__(
+        r.request_id, prefill_cache.export_sequence(r.seq_id)))
+    decode = Engine(model, make_cache(backend, num_pages=12, page_size=8))
+    handed_over = []
+    for prompt in prompts:
+        rid = prefill.add_request(prompt, max_new_tokens=1)
+        while prefill.has_unfinished():
+            prefill.step()
+        handed_over.append((prompt, exported.pop(rid), prefill.requests[rid].output_ids[0]))
+    ids = [decode.add_prefilled_request(*given, max_new_tokens=6) for given in handed_over]
+    while decode.has_unfinished():
+        decode.step()
+    alone = Engine(model, make_cache(backend, num_pages=32))
+    assert [decode.requests[rid].output_ids for rid in ids] == \
+        alone.generate(prompts, max_new_tokens=6)
+    assert decode.stats.prefill_tokens == 0 and decode.cache.num_free_pages == 12
+    done = decode.add_prefilled_request(*handed_over[0], max_new_tokens=1)
+    assert decode.requests[done].finish_reason == "length" and not decode.has_unfinished()
+    with pytest.raises(ValueError, match="kv: expected K/V of the prompt's 4 tokens, got 9"):
+        decode.add_prefilled_request(prompts[1], handed_over[0][1], 1, max_new_tokens=2)

@@ -22,8 +22,8 @@ import pagedkv
 from dense_kv import greedy
 from test_model_gguf import load_with_tokenizer, require_model
 
-# whole-model tests: on the primary OpenCL device only (tests/conftest.py)
-pytestmark = pytest.mark.one_opencl_device
+# whole-model tests: on the primary OpenCL device only (tests/conftest.py), and slow
+pytestmark = [pytest.mark.one_opencl_device, pytest.mark.slow]
 
 REFERENCE = json.loads(Path(__file__).with_name("gemma3_270m_greedy.json").read_text())["cases"]
 SHORT = "Once upon a time, in a small village,"

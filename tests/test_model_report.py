@@ -83,3 +83,16 @@ def test_throughput_per_kind_of_step():
     assert s.prefill_tokens_per_second == 150 / s.prefill_seconds
     assert (s.prefill_steps, s.decode_only_steps, s.num_steps) == (2, 2, 4)
     assert (s.prefill_tokens, s.decode_tokens) == (150, 8)
+
+
+def test_preemptions_say_whether_they_swapped_or_recomputed():
+    def preemption_line(**kwargs):
+        lines = format_report(stats(**kwargs), fake_cache(), max_seq_len=64, wall_seconds=1.0,
+                              num_prompts=1, num_generated=1)
+        return [line for line in lines if line.startswith("preemptions")]
+    assert preemption_line() == []
+    assert preemption_line(num_preemptions=3, num_swaps=3) == [
+        "preemptions: 3 (3 swapped out to host memory and back in, resumed without "
+        "recomputation)"]
+    assert preemption_line(num_preemptions=2) == [
+        "preemptions: 2 (requests recomputed after their pages were reclaimed)"]

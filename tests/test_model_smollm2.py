@@ -47,6 +47,7 @@ def make_engine(model, backend, *, page_size=16, num_pages=64, **kwargs):
     return Engine(model, cache, **kwargs)
 
 
+@pytest.mark.slow
 def test_config_and_tokenizer(smollm2):
     model, tokenizer = smollm2
     c = model.config
@@ -58,6 +59,7 @@ def test_config_and_tokenizer(smollm2):
     assert tokenizer.stop_ids == {0, 2}                 # <|endoftext|>, <|im_end|>
 
 
+@pytest.mark.slow
 def test_chat_template(smollm2):
     from pagedkv.models.tokenizer import _chatml_renderer
     _, tokenizer = smollm2
@@ -71,12 +73,14 @@ def test_chat_template(smollm2):
     assert ids[:3] == [1, 9690, 198] and ids[-4:] == [1, 520, 9531, 198]
 
 
+@pytest.mark.slow
 def test_greedy_alone(smollm2, backend):
     model, _ = smollm2
     engine = make_engine(model, backend)
     assert engine.generate([PROMPT_IDS], max_new_tokens=12) == [EXPECTED]
 
 
+@pytest.mark.slow
 def test_greedy_in_a_batch_with_chunked_prefill(smollm2, backend):
     """The same tokens in a batch: with a 4-token step budget the prompt itself
     is prefilled in two chunks, then decodes beside the chunks of a chat
@@ -108,6 +112,7 @@ def run_demo(*args, env=None):
                           env={**os.environ, **(env or {})}, cwd=tempfile.gettempdir())
 
 
+@pytest.mark.slow
 def test_cli_prints_plain_blocks_when_piped():
     require_smollm2()
     result = run_demo("--raw", "--max-new-tokens", "12",

@@ -28,6 +28,9 @@ import pagedkv
 from reference import Harness
 from test_int8 import Int8Harness
 
+# a simulator that checks every access runs thousands of times slower than a driver
+pytestmark = pytest.mark.slow
+
 CHECKS = {
     "OCLGRIND_DATA_RACES": "1",
     "OCLGRIND_UNINITIALIZED": "1",
@@ -189,4 +192,25 @@ def test_split_k_and_merge(grind, layout, dtype):
     assert batch._tables.plan(None, 2, None).num_segments == 1      # split, then merged
     h.step([s], 1, sliding_window=300, sinks=np.array([1.0, -0.5]))
     h.step([s], 3, logits_soft_cap=2.0)
+    grind.assert_clean()
+
+
+@pytest.mark.parametrize("dtype,head_dim", [("float32", 16), ("float16", 16), ("int8", 16),
+                                            ("int8", 15)])
+def test_stored_rows_move_out_and_back(grind, dtype, head_dim):
+    # export, import and swap read and write raw rows (read_rows_u32 / _u8,
+    # write_rows_u32 / _u8: int8 rows of 15 bytes move bytewise, their scales
+    # in words); a partly filled last page and a slot-shifted import
+    source = grind.cache("cpu", dtype, head_dim=head_dim)
+    target = grind.cache("cpu", dtype, head_dim=head_dim, page_size=4)
+    rng = np.random.default_rng(5)
+    s = source.add_sequence()
+    batch = source.append([s], [11])
+    k = rng.standard_normal((11, 2, head_dim)).astype(np.float32)
+    source.store(0, batch, k, -k)
+    t = target.import_sequence(source.export_sequence(s))
+    source.swap_out(s)
+    source.swap_in(s)
+    for x, y in zip(source.gather(0, s), target.gather(0, t)):
+        np.testing.assert_array_equal(x.view(np.uint32), y.view(np.uint32))
     grind.assert_clean()

@@ -24,7 +24,6 @@ if HAS_OPENCL:
     import pyopencl as cl
     import pyopencl.array as cl_array
 
-    from pagedkv.backends import opencl as opencl_backend
     from pagedkv.backends.schedule import ITEM
     from pagedkv.backends._opencl_program import KernelBuildError, build_program
     from pagedkv.backends.kernel_source import read_source
@@ -567,6 +566,20 @@ class TestPyOpenCLArrays:
                                             "cl_khr_fp64"):
             self.cache.store(0, batch, kv, kv)
 
+    @pytest.mark.parametrize("dtype", [np.float32, np.float16, np.float64])
+    def test_arrays_on_the_callers_own_queue(self, dtype):
+        if dtype == np.float64 and "cl_khr_fp64" not in self.backend.device.extensions:
+            pytest.skip(f"{self.backend.device.name.strip()} lacks cl_khr_fp64")
+        mine = cl.CommandQueue(self.backend.context)
+        s = self.cache.add_sequence()
+        batch = self.cache.append([s], [5])
+        k, v = self.rng.standard_normal((2, 5, 2, 32)).astype(dtype)
+        q = self.rng.standard_normal((5, 4, 32)).astype(dtype)
+        self.cache.store(0, batch, cl_array.to_device(mine, k), cl_array.to_device(mine, v))
+        out = self.cache.attention(0, batch, cl_array.to_device(mine, q))
+        np.testing.assert_array_equal(self.cache.gather(0, s)[0], k.astype(np.float32))
+        np.testing.assert_array_equal(out.get(), self.cache.attention(0, batch, q))
+
     def test_views_with_an_offset(self):
         s = self.cache.add_sequence()
         batch = self.cache.append([s], [3])
@@ -586,6 +599,12 @@ class TestPyOpenCLArrays:
         foreign = cl_array.zeros(other, (4, 2, 32), np.float32)
         with pytest.raises(ValueError, match="k: the pyopencl array lives in another OpenCL"):
             self.cache.store(0, batch, foreign, foreign)
+        queueless = self.device(np.zeros((4, 2, 32))).with_queue(None)
+        with pytest.raises(ValueError, match=r"k: the pyopencl array has no queue.*with_queue"):
+            self.cache.store(0, batch, queueless, queueless)
+        self.cache.store(0, batch, np.ones((4, 2, 32), np.float32), np.ones((4, 2, 32), np.float32))
+        with pytest.raises(ValueError, match=r"q: the pyopencl array has no queue"):
+            self.cache.attention(0, batch, self.device(np.zeros((4, 4, 32))).with_queue(None))
         wide = self.device(np.zeros((4, 2, 64)))
         strided = wide[:, :, ::2]
         assert not strided.flags.c_contiguous

@@ -15,6 +15,7 @@ def test_cython_sources_ship_with_the_package():
     names = {p.name for p in files("pagedkv").iterdir()}
     for source in ("_allocator.pyx", "_allocator.pxd", "_page_table.pyx", "_kernels.pyx",
                    "_kernels_level.pxi", "_cpuid.pyx", "_cpuid.pyi", "_ints.pyx", "_ints.pyi",
+                   "_rows.pyx", "_rows.pyi",
                    "pkv_half.h",
                    "pkv_simd.h", "pkv_block.h", "pkv_quant.h", "pkv_hash.h", "pkv_cpuid.h",
                    "py.typed"):
@@ -22,7 +23,7 @@ def test_cython_sources_ship_with_the_package():
 
 
 def test_compiled_modules_load():
-    from pagedkv import _allocator, _cpu, _cpuid, _ints, _page_table  # noqa: F401
+    from pagedkv import _allocator, _cpu, _cpuid, _ints, _page_table, _rows  # noqa: F401
     assert _cpu.kernels.__name__.startswith("pagedkv._kernels_")
     assert "host" in pagedkv.available_backends()
 

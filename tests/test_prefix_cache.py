@@ -13,7 +13,6 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, p
 
 import pagedkv
 from prefix_model import PrefixCacheModel
-from reference import Harness
 
 H, D = 1, 4
 
@@ -187,6 +186,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
 
 
 @pytest.mark.one_opencl_device
+@pytest.mark.slow
 def test_model_checked_prefix_cache(backend):
     """~4,000 random steps per backend against the pure-Python model."""
     PrefixCacheMachine.backend = backend

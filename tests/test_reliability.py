@@ -33,7 +33,7 @@ def thread_workload(cache, seed, steps=60):
     rng = np.random.default_rng(seed)
     outputs = []
     keep = cache.add_sequence()
-    for i in range(steps):
+    for _ in range(steps):
         s = cache.add_sequence()
         for seqs, n in (([keep, s], 3), ([keep, s], 1)):
             batch = cache.append(seqs, n)

@@ -46,6 +46,9 @@ import pytest
 
 from pagedkv import _cpu
 
+# builds every Cython module with ASan and UBSan, then runs the host tests on it
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parent.parent
 
 # The tests that exercise the compiled modules on the host backend.
@@ -53,6 +56,7 @@ SANITIZED_TESTS = [
     "tests/test_attention.py", "tests/test_attention_variants.py", "tests/test_lifecycle.py",
     "tests/test_errors.py", "tests/test_page_tables.py", "tests/test_allocator.py",
     "tests/test_prefix_cache.py", "tests/test_reliability.py", "tests/test_fuzz_state.py",
+    "tests/test_transfer.py",
 ]
 # ASan reserves terabytes of shadow address space: a test that caps RLIMIT_AS cannot run.
 NOT_UNDER_ASAN = [

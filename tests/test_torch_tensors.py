@@ -86,12 +86,15 @@ def values_of(t):
 class CpuArray:
     """Not numpy, not torch: a CPU array that only speaks DLPack (as JAX's CPU arrays
     or an engine's own buffer type may); ``device`` is what it reports as its
-    DLPack device, ``(1, 0)`` the CPU."""
+    DLPack device, ``(1, 0)`` the CPU; ``capsule(**kwargs)``, if given, is what
+    its ``__dlpack__`` does instead of exporting the array."""
 
-    def __init__(self, array, device=(1, 0)):
-        self._array, self._device = array, device
+    def __init__(self, array, device=(1, 0), capsule=None):
+        self._array, self._device, self._capsule = array, device, capsule
 
     def __dlpack__(self, **kwargs):
+        if self._capsule is not None:
+            return self._capsule(**kwargs)
         return self._array.__dlpack__(**kwargs)
 
     def __dlpack_device__(self):
@@ -268,6 +271,13 @@ def _ready(backend):
     return cache, s, batch
 
 
+def _raises(exc):
+    """A ``__dlpack__`` that raises ``exc``."""
+    def dlpack(**kwargs):
+        raise exc
+    return dlpack
+
+
 # case -> (make(torch, shape) -> bad value, exception, fragment of its message)
 BAD = {
     "requires grad": (lambda torch, shape: torch.zeros(shape, requires_grad=True),
@@ -275,6 +285,20 @@ BAD = {
     "meta device": (lambda torch, shape: torch.zeros(shape, device="meta"), ValueError, ".cpu()"),
     "GPU DLPack": (lambda torch, shape: CpuArray(np.zeros(shape, np.float32), device=(2, 0)),
                    ValueError, "not the CPU"),
+    # a lying __dlpack_device__, a bad capsule, a raising __dlpack__
+    "DLPack device not ints": (lambda torch, shape: CpuArray(np.zeros(shape), device=("cpu", 0)),
+                               TypeError, "__dlpack_device__() gave no (device_type, device_id)"),
+    "DLPack device None": (lambda torch, shape: CpuArray(np.zeros(shape), device=None),
+                           TypeError, "__dlpack_device__() gave no (device_type, device_id)"),
+    "DLPack bad capsule": (lambda torch, shape: CpuArray(np.zeros(shape),
+                                                         capsule=lambda **kw: object()),
+                           TypeError, "numpy cannot read this CpuArray through DLPack"),
+    "DLPack raises KeyError": (lambda torch, shape: CpuArray(np.zeros(shape),
+                                                             capsule=_raises(KeyError("stream"))),
+                               TypeError, "through DLPack (KeyError: 'stream')"),
+    "DLPack raises IndexError": (lambda torch, shape: CpuArray(np.zeros(shape),
+                                                               capsule=_raises(IndexError("0"))),
+                                 TypeError, "through DLPack (IndexError: 0)"),
     "wrong shape": (lambda torch, shape: torch.zeros(shape[:-1] + (shape[-1] + 1,)),
                     ValueError, "expected shape"),
     "sparse": (lambda torch, shape: torch.zeros(shape).to_sparse(), TypeError, ".to_dense()"),

@@ -108,7 +108,7 @@ def _all_devices(cl):
     """[(platform_index, device_index, Device)] over every platform."""
     global _driver_started
     _driver_started = True
-    found = []
+    found: list[tuple] = []
     for p, platform in enumerate(cl.get_platforms()):
         try:
             devices = platform.get_devices()

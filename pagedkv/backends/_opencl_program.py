@@ -73,9 +73,8 @@ class KernelCall:
         self.arg_names = [arg for arg, _ in signature]
         self._arg_set = frozenset(self.arg_names)
         self._buffer_args = [i for i, (_, dtype) in enumerate(signature) if dtype is None]
-        # With the scalar types declared, pyopencl packs scalars itself: setting
-        # a scalar argument otherwise costs about 15 us on PoCL (pyopencl tries
-        # the other argument kinds first), some 100 us for the attention kernel.
+        # With the scalar types declared, pyopencl packs scalars itself; otherwise
+        # it tries the other argument kinds first for every scalar of every launch.
         self.kernel.set_scalar_arg_dtypes([dtype for _, dtype in signature])
         self._lock = threading.Lock()
 

@@ -13,7 +13,7 @@ backend may assume well-formed input:
 """
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -60,6 +60,30 @@ class StepTables:
         if key not in self._plans:
             self._plans[key] = make_plan(self, num_heads, sliding_window)
         return self._plans[key]
+
+
+class StoredRows(NamedTuple):
+    """K/V rows as a pool stores them: the bits of the storage format, unconverted.
+
+    Attributes
+    ----------
+    k, v : ndarray, shape [n, num_kv_heads, head_dim], ``storage.element``
+    k_scales, v_scales : ndarray, shape [n, num_kv_heads], float32, or None
+        Each row's scale (formats with ``storage.scaled``); None otherwise.
+    """
+    k: np.ndarray
+    v: np.ndarray
+    k_scales: Optional[np.ndarray] = None
+    v_scales: Optional[np.ndarray] = None
+
+
+def empty_rows(storage: "StorageFormat", num_rows: int, num_kv_heads: int,
+               head_dim: int) -> StoredRows:
+    """New :class:`StoredRows` of ``num_rows`` rows in ``storage`` (uninitialised)."""
+    values = (num_rows, num_kv_heads, head_dim)
+    return StoredRows(np.empty(values, storage.element), np.empty(values, storage.element),
+                      *((np.empty(values[:2], np.float32), np.empty(values[:2], np.float32))
+                        if storage.scaled else ()))
 
 
 class Backend(ABC):
@@ -124,3 +148,16 @@ class Backend(ABC):
     @abstractmethod
     def gather(self, layer: int, slots: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
         """K and V at ``slots`` (int64 [n]) as float32 numpy arrays [n, num_kv_heads, head_dim]."""
+
+    @abstractmethod
+    def read_rows(self, layer: int, slots: np.ndarray,
+                  out: Optional[StoredRows] = None) -> StoredRows:
+        """The stored bits of K and V (and their scales) at ``slots`` (int64 [n]), as
+        host numpy arrays (export, swap): what ``write_rows`` takes to restore them.
+
+        ``out``: C-contiguous arrays of those shapes and dtypes to fill (and return)."""
+
+    @abstractmethod
+    def write_rows(self, layer: int, slots: np.ndarray, rows: StoredRows) -> None:
+        """Write rows of stored bits (from ``read_rows`` of a pool in the same format)
+        at ``slots`` (int64 [n]), unconverted (import, swap)."""

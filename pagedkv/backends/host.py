@@ -7,8 +7,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pagedkv import _rows
 from pagedkv._cpu import kernels as _kernels
-from pagedkv.backends.base import Backend
+from pagedkv.backends.base import Backend, empty_rows
 from pagedkv.backends.schedule import ITEM, plan_attention
 
 # Query rows x query heads of one item: 64 query vectors of head_dim floats
@@ -17,8 +18,7 @@ _QUERIES_PER_ITEM = 64
 # Items of many queries per KV head take the kernels' block path
 # (pagedkv/pkv_block.h), which reads and copies each block of keys and values
 # once per item: the more query rows an item has, the less it reads per
-# multiply-add (prefill of 2,048 tokens: 256 queries an item took a seventh
-# off the time of 64).  Its queries and accumulators, 2 x queries x head_dim
+# multiply-add.  Its queries and accumulators, 2 x queries x head_dim
 # floats, must stay in L2 with the blocks: this many floats fit a 512 KiB L2.
 _BLOCK_ITEM_FLOATS = 1 << 16
 # ...but no fewer items per thread than this, so that dynamic scheduling
@@ -46,7 +46,8 @@ class _HostPlan:
 
 def _max_threads():
     """Cores this process may use, capped by ``OMP_NUM_THREADS`` when set."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
+        os.cpu_count() or 1
     try:
         return max(1, min(cores, int(os.environ.get("OMP_NUM_THREADS", cores))))
     except ValueError:
@@ -203,3 +204,61 @@ class HostBackend(Backend):
         _kernels.gather(self._k[layer], self._k_scales[layer], slots, k, *rotation, threads)
         _kernels.gather(self._v[layer], self._v_scales[layer], slots, v, *rotation, threads)
         return k, v
+
+    def _row_pools(self, layer):
+        """The layer's pools as ``[pages, H, page_size, row]`` arrays: K and V values,
+        then (scaled formats) K and V scales as rows of one float."""
+        pools = [self._k[layer], self._v[layer]]
+        if self.storage.scaled:
+            pools += [s.reshape(s.shape + (1,)) for s in (self._k_scales[layer],
+                                                          self._v_scales[layer])]
+        return pools
+
+    def read_rows(self, layer, slots, out=None):
+        if out is None:
+            out = empty_rows(self.storage, len(slots), self.num_kv_heads, self.head_dim)
+        for pool, rows in zip(self._row_pools(layer), out):
+            rows = rows.view(pool.dtype).reshape(len(slots), self.num_kv_heads, pool.shape[3])
+            _rows.read_rows(_as_bytes(pool), slots, _as_bytes(rows))
+        return out
+
+    def write_rows(self, layer, slots, rows):
+        given = [rows.k, rows.v] + ([rows.k_scales, rows.v_scales] if self.storage.scaled else [])
+        for pool, x in zip(self._row_pools(layer), given):
+            x = np.ascontiguousarray(x).view(pool.dtype).reshape(len(slots), self.num_kv_heads,
+                                                                 pool.shape[3])
+            _rows.write_rows(_as_bytes(pool), slots, _as_bytes(x))
+
+
+def _as_bytes(x):
+    """A C-contiguous array viewed as uint8, its last axis widened to bytes:
+    [..., n] -> [..., n * itemsize] (a view: writes reach ``x``)."""
+    return x.view(np.uint8)
+
+
+def decode_rows(storage, values, scales=None):
+    """Stored rows as float32, exactly as ``gather`` of a host pool in ``storage`` returns them.
+
+    Parameters
+    ----------
+    storage : StorageFormat
+    values : ndarray, shape [n, num_kv_heads, head_dim], ``storage.element``
+    scales : ndarray, shape [n, num_kv_heads], float32, optional
+        Required when ``storage.scaled``.
+
+    Returns
+    -------
+    ndarray, shape [n, num_kv_heads, head_dim], float32
+    """
+    n, num_kv_heads, head_dim = values.shape
+    # the rows as a pool of one-token pages, gathered by the host kernel (whose
+    # memoryview wants a writable pool: a read-only one, e.g. from Ray, is copied)
+    pool = np.require(values, requirements=("C", "W")).view(storage.kernel_element) \
+        .reshape(n, num_kv_heads, 1, head_dim)
+    scale_pool = np.ascontiguousarray(scales, dtype=np.float32).reshape(n, num_kv_heads, 1) \
+        if storage.scaled else np.zeros((1, 1, 1), np.float32)
+    out = np.empty((n, num_kv_heads, head_dim), np.float32)
+    threads = _fork_safe(_threads_for(out.size, _max_threads()))
+    _kernels.gather(pool, scale_pool, np.arange(n, dtype=np.int64), out,
+                    storage.rotation_block, storage.rotation_scale, threads)
+    return out

@@ -58,6 +58,8 @@ def header_table(file_name, macro):
     namespace ``NAME -> index``, with ``COUNT`` the list's length."""
     text = source_dir().joinpath(file_name).read_text(encoding="utf-8")
     line = re.search(rf"^#define {macro}\(X\) (.*)$", text, re.MULTILINE)
+    if line is None:
+        raise RuntimeError(f"{file_name} has no '#define {macro}(X) ...' line")
     names = re.findall(r"X\((\w+)\)", line.group(1))
     return SimpleNamespace(COUNT=len(names), **{n: i for i, n in enumerate(names)})
 

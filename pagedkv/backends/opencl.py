@@ -23,7 +23,7 @@ from pagedkv.backends._opencl_device import (FORKED_CHILD_REASON, has_preferred_
                                               select_device, unavailable_reason)
 from pagedkv.backends._opencl_layout import KernelLayout, _floor_pow2
 from pagedkv.backends._opencl_program import build_program
-from pagedkv.backends.base import Backend
+from pagedkv.backends.base import Backend, empty_rows
 from pagedkv.backends.schedule import ITEM, plan_attention
 from pagedkv.errors import ArgumentTypeError, BackendUnavailableError
 
@@ -212,8 +212,10 @@ class OpenCLBackend(Backend):
         self._pending = None   # a _PendingStore
         self._work = {}        # name -> reusable buffer (_work_buffer)
         try:
-            self._k, self._v = [], []
-            self._k_scales, self._v_scales = [], []
+            self._k: list = []
+            self._v: list = []
+            self._k_scales: list = []
+            self._v_scales: list = []
             for pages in layer_pages:
                 nbytes = pages * self._page_elems * storage.element.itemsize
                 scale_bytes = pages * self._page_elems // head_dim * 4
@@ -268,6 +270,9 @@ class OpenCLBackend(Backend):
         self._k_copy = pages["copy_pages"]
         self._k_half = pages["half_to_float"]
         self._k_rotate = pages.get("rotate_rows")
+        # raw rows (read_rows / write_rows), by the bytes of the unit they move
+        self._k_rows = {4: (pages["read_rows_u32"], pages["write_rows_u32"]),
+                        1: (pages["read_rows_u8"], pages["write_rows_u8"])}
         self._copy_wg = _floor_pow2(min(
             _COPY_WORK_GROUP, self.device.max_work_item_sizes[0],
             *(k.work_group_limit(self.device) for k in pages.values())))
@@ -350,6 +355,10 @@ class OpenCLBackend(Backend):
         if not self.is_native(x):
             raise ArgumentTypeError(f"{name}: expected a numpy or pyopencl array, "
                                     f"got {type(x).__name__}")
+        if x.queue is None:
+            raise ValueError(f"{name}: the pyopencl array has no queue, so the cache cannot "
+                             f"order its reads after the commands that write it; pass "
+                             f"{name}.with_queue(queue)")
         if x.context != self.context:
             raise ValueError(f"{name}: the pyopencl array lives in another OpenCL context than "
                              f"this cache (on {self.device.name.strip()}); copy it there first")
@@ -376,7 +385,8 @@ class OpenCLBackend(Backend):
                 raise ArgumentTypeError(
                     f"{name}: a float64 pyopencl array needs a device with cl_khr_fp64, which "
                     f"{self.device.name.strip()} lacks; convert it to float32 first")
-            return x.astype(np.float32, queue=self.queue), []
+            # on the cache's queue, which already waits for the caller's
+            return x.with_queue(self.queue).astype(np.float32), []
         raise ArgumentTypeError(f"{name}: expected float16, float32 or float64, got {x.dtype}")
 
     # -- protocol -------------------------------------------------------------------
@@ -406,12 +416,10 @@ class OpenCLBackend(Backend):
         if not len(src):
             return
         src_d, dst_d = self._upload(src.astype(np.int32)), self._upload(dst.astype(np.int32))
-        page_bytes = self.storage.element.itemsize * self._page_elems
         scale_page_bytes = 4 * self._page_elems // self.head_dim
         for layer in layers:
             pools = [(self._k[layer], self._v[layer], self._page_elems)]
             if self.storage.scaled:   # copy_pages moves bytes in int8 builds: scales too
-                assert page_bytes == self._page_elems
                 pools.append((self._k_scales[layer], self._v_scales[layer], scale_page_bytes))
             for k_pool, v_pool, elems in pools:
                 self._launch(self._k_copy, len(src) * elems, k_pool=k_pool, v_pool=v_pool,
@@ -491,7 +499,7 @@ class OpenCLBackend(Backend):
         t = tables.device
         # numpy results are read back before this returns, so one buffer serves
         # every call; a pyopencl result is the caller's to keep (made like the
-        # float32 q: pyopencl's own constructor costs some 50 us)
+        # float32 q: pyopencl's general constructor costs more than a decode layer's kernel)
         if native:
             out_d = _cl_array.empty_like(qd, queue=self.queue, allocator=self._zeros)
             out_d.allocator = None    # what pyopencl makes from it later: its default buffers
@@ -590,3 +598,47 @@ class OpenCLBackend(Backend):
         self._cl.enqueue_copy(self.queue, k, kd, is_blocking=False)
         self._cl.enqueue_copy(self.queue, v, vd)
         return k, v
+
+    # -- stored rows (export, import, swap) -------------------------------------------
+    def _row_buffers(self, layer):
+        """The layer's pools with the bytes of one of their rows: K and V values, then
+        (scaled formats) K and V scales."""
+        value_bytes = self.head_dim * self.storage.element.itemsize
+        pools = [(self._k[layer], value_bytes), (self._v[layer], value_bytes)]
+        if self.storage.scaled:
+            pools += [(self._k_scales[layer], 4), (self._v_scales[layer], 4)]
+        return pools
+
+    def _rows_call(self, which, layer, slots_d, n, pool, row_bytes, rows):
+        """Queue the raw-row kernel ``which`` (0 read, 1 write) over ``n`` rows."""
+        unit = 4 if row_bytes % 4 == 0 else 1
+        return self._launch(self._k_rows[unit][which], n * self.num_kv_heads, pool=pool,
+                            slots=slots_d, rows=rows, num_rows=n, num_kv_heads=self.num_kv_heads,
+                            page_size=self.page_size, row_units=row_bytes // unit,
+                            num_slots=self.layer_pages[layer] * self.page_size)
+
+    def read_rows(self, layer, slots, out=None):
+        self._check_process()
+        self._flush()
+        n = len(slots)
+        if out is None:
+            out = empty_rows(self.storage, n, self.num_kv_heads, self.head_dim)
+        if n:
+            slots_d = self._upload(slots.astype(np.int64))
+            for (pool, row_bytes), rows in zip(self._row_buffers(layer), out):
+                rows_d = self._cl.Buffer(self.context, self._cl.mem_flags.WRITE_ONLY, rows.nbytes)
+                self._rows_call(0, layer, slots_d, n, pool, row_bytes, rows_d)
+                self._cl.enqueue_copy(self.queue, rows, rows_d, is_blocking=False)
+            self.queue.finish()
+        return out
+
+    def write_rows(self, layer, slots, rows):
+        self._check_process()
+        self._flush()
+        n = len(slots)
+        if not n:
+            return
+        given = [rows.k, rows.v] + ([rows.k_scales, rows.v_scales] if self.storage.scaled else [])
+        slots_d = self._upload(slots.astype(np.int64))
+        for (pool, row_bytes), x in zip(self._row_buffers(layer), given):
+            self._rows_call(1, layer, slots_d, n, pool, row_bytes, self._upload(x))

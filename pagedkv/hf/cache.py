@@ -282,7 +282,8 @@ class PagedCache(Cache):
         ...                    past_key_values=cache).logits
         """
         seq_lens = np.asarray(batch.seq_lens, dtype=np.int64)
-        counts = np.diff(np.asarray(batch.query_start, dtype=np.int64))
+        query_start = np.asarray(batch.query_start, dtype=np.int64)
+        counts = query_start[1:] - query_start[:-1]
         starts = np.repeat(seq_lens - counts, counts)
         offsets = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
         kv = self.kv
@@ -341,10 +342,11 @@ class PagedCache(Cache):
         # inference only: a plain model(...) call outside no_grad gives tensors that need grad
         query, key, value = query.detach(), key.detach(), value.detach()
         if self._attend is not None:
-            return self._attend_packed(layer, query, key, value, padding, variants, position_ids)
+            return self._attend_packed(self._attend, layer, query, key, value, padding,
+                                       variants, position_ids)
         return self._attend_padded(layer, query, key, value, padding, variants)
 
-    def _attend_packed(self, layer, query, key, value, padding, variants, position_ids):
+    def _attend_packed(self, attend, layer, query, key, value, padding, variants, position_ids):
         if query.shape[0] != 1 or padding is not None:
             raise ValueError(f"input_ids: a step runs its tokens packed into one row with no "
                              f"padding (input_ids [1, num_tokens], no attention_mask), got "
@@ -358,8 +360,8 @@ class PagedCache(Cache):
                                  f"{len(expected)}]), got "
                                  f"{None if got is None else got[:8]}")
             self._expected_positions = None     # checked once per step
-        out = self._attend(layer, query[0].transpose(0, 1), key[0].transpose(0, 1),
-                           value[0].transpose(0, 1), **variants)
+        out = attend(layer, query[0].transpose(0, 1), key[0].transpose(0, 1),
+                     value[0].transpose(0, 1), **variants)
         if layer == 0:
             self._num_stored_tokens += query.shape[2]
         return out.unsqueeze(0).to(query.dtype)

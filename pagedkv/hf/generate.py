@@ -142,8 +142,8 @@ def sampling_options(model, generation_config=None, **kwargs):
         if not temperature > 0:
             raise ValueError(f"temperature: expected a float > 0 with do_sample=True, got "
                              f"{config.temperature!r}")
-        options = dict(temperature=temperature, top_k=int(config.top_k or 0),
-                       top_p=1.0 if config.top_p is None else float(config.top_p))
+        options: dict = dict(temperature=temperature, top_k=int(config.top_k or 0),
+                             top_p=1.0 if config.top_p is None else float(config.top_p))
     else:
         options = dict(temperature=0.0, top_k=0, top_p=1.0)
     options["stop_ids"] = stop_ids

@@ -73,7 +73,7 @@ def load_causal_lm(path, *, attn_implementation="pagedkv", dtype=torch.float32,
         model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
                                                      dtype=dtype)
         # the weights are dequantized now: saved as plain tensors, not as a GGUF again
-        model.hf_quantizer = None
+        model.hf_quantizer = None  # type: ignore[assignment]
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
         folder.parent.mkdir(parents=True, exist_ok=True)

@@ -121,6 +121,14 @@ def build_parser():
     parser.add_argument("--blas-threads", type=_non_negative_int, default=1, metavar="N",
                         help="BLAS threads for the dense math; 0 = the library's default "
                              "(default: 1, which leaves the cores to the KV kernels)")
+    parser.add_argument("--disaggregated", action="store_true",
+                        help="prefill in one Ray actor and decode in another, each "
+                             "prompt's K/V moving between them through Ray's object store "
+                             "(needs the ray extra; see docs/transfer.md)")
+    parser.add_argument("--ray-address", metavar="ADDRESS",
+                        help="with --disaggregated: the Ray cluster to run the actors on "
+                             "(\"auto\": the one this machine belongs to; default: a new "
+                             "local one)")
     return parser
 
 
@@ -260,9 +268,15 @@ def run(args):
         raise ValueError("--model and --hf-model: expected one of them, got both")
     if args.converted_dir and not args.hf_model:
         raise ValueError("--converted-dir: only with --hf-model")
+    if args.disaggregated and args.hf_model:
+        raise ValueError("--disaggregated: only with a GGUF --model (the NumPy engine)")
     with blas_threads(args.blas_threads or None):
-        served = load_transformers(args) if args.hf_model else load_gguf(args)
-        return serve(served, args)
+        if args.hf_model:
+            return serve(load_transformers(args), args)
+        gguf = read_gguf(args)
+        if args.disaggregated:
+            return run_disaggregated(args, *gguf)
+        return serve(load_gguf(args, *gguf), args)
 
 
 @dataclass
@@ -286,29 +300,42 @@ def _prompts_for(args, tokenizer, name):
     return prompts, encode_prompts(tokenizer, prompts, chat=chat)
 
 
-def load_gguf(args):
-    """The NumPy engine over a GGUF model (``--model``)."""
+def read_gguf(args):
+    """What a GGUF model's metadata gives before its weights load (``--model``).
+
+    Returns
+    -------
+    tuple
+        ``(path, header, tokenizer, prompts, prompt_ids, num_pages)``, the
+        pool checked against the prompts.
+    """
     from pagedkv.models.default_model import resolve_model
-    from pagedkv.models.engine import Engine
-    from pagedkv.models.gguf_loader import load_gguf_model, read_gguf_header
+    from pagedkv.models.gguf_loader import read_gguf_header
     from pagedkv.models.tokenizer import GGUFTokenizer
 
     path = resolve_model(args.model)
     if sys.stderr.isatty():
         print(f"loading {path} ...", file=sys.stderr)
     header = read_gguf_header(path)             # metadata only: checks come before weights
-    config = header.config
     tokenizer = GGUFTokenizer.from_metadata(header.metadata)
     prompts, prompt_ids = _prompts_for(args, tokenizer, header.name)
-    max_seq_len = config.max_position
-    num_pages = check_pool([len(ids) for ids in prompt_ids], args, max_seq_len)
+    num_pages = check_pool([len(ids) for ids in prompt_ids], args, header.config.max_position)
+    return path, header, tokenizer, prompts, prompt_ids, num_pages
+
+
+def load_gguf(args, path, header, tokenizer, prompts, prompt_ids, num_pages):
+    """The NumPy engine over a GGUF model (``--model``), from :func:`read_gguf`'s findings."""
+    from pagedkv.models.engine import Engine
+    from pagedkv.models.gguf_loader import load_gguf_model
+
+    config = header.config
     cache = make_cache(config, num_pages, args)
     loaded = load_gguf_model(header)
     engine = Engine(loaded.model, cache, max_num_seqs=args.max_seqs,
-                    max_num_batched_tokens=args.max_batch_tokens, max_seq_len=max_seq_len,
-                    seed=args.seed)
-    return Served(loaded.name, engine, cache, tokenizer, prompts, prompt_ids, max_seq_len,
-                  cache_options(config, args).get("layer_windows"))
+                    max_num_batched_tokens=args.max_batch_tokens,
+                    max_seq_len=config.max_position, seed=args.seed)
+    return Served(loaded.name, engine, cache, tokenizer, prompts, prompt_ids,
+                  config.max_position, cache_options(config, args).get("layer_windows"))
 
 
 def load_transformers(args):
@@ -377,4 +404,29 @@ def serve(served, args):
         engine.stats, cache, max_seq_len=served.max_seq_len, wall_seconds=wall_seconds,
         num_prompts=len(prompts), num_generated=num_generated,
         layer_windows=served.layer_windows))
+    return 0
+
+
+def run_disaggregated(args, path, header, tokenizer, prompts, prompt_ids, num_pages):
+    """``--disaggregated``: serve the prompts with prefill and decode in two Ray actors
+    (:mod:`pagedkv.models.disaggregated`), streaming text as the decode actor
+    returns it."""
+    from pagedkv.models.disaggregated import serve
+    from pagedkv.models.display import RunView
+    from pagedkv.models.tokenizer import TextStream
+    config = header.config
+    streams = [TextStream(tokenizer) for _ in prompts]
+    with RunView(prompts) as view:
+        view.status = f"{header.name}: starting the prefill and decode actors"
+
+        def on_token(index, token_id):
+            view.add_text(index, streams[index].push(token_id))
+            view.status = f"{header.name}: disaggregated prefill and decode"
+        outputs, report, _ = serve(
+            args, path, prompt_ids, tokenizer.stop_ids, num_pages, on_token,
+            max_seq_len=config.max_position,
+            layer_windows=cache_options(config, args).get("layer_windows"))
+    for index, ids in enumerate(outputs):
+        view.texts[index] = tokenizer.decode(ids)
+    view.print_results(report)
     return 0

@@ -65,6 +65,9 @@ class EngineStats:
         Most pages of the full pool and of the window pool (a cache with
         windowed layers) in use right after a step's ``append``.
     peak_running, num_preemptions : int
+    num_swaps : int
+        Of the preemptions, those that swapped the request's K/V out to host
+        memory (resumed later without recomputation).
     """
     num_steps: int = 0
     prefill_tokens: int = 0
@@ -76,6 +79,7 @@ class EngineStats:
     peak_window_pages_in_use: int = 0
     peak_running: int = 0
     num_preemptions: int = 0
+    num_swaps: int = 0
     _decode_token_seconds: list = field(default_factory=list, repr=False)
     _prefill_steps: list = field(default_factory=list, repr=False)  # (prefill, decode, seconds)
 
@@ -166,6 +170,9 @@ class Engine:
         length, or the cache's ``max_seq_len`` if smaller).
     seed : int or numpy.random.Generator, optional
         Randomness for temperature sampling.
+    on_finish : callable, optional
+        ``on_finish(request)`` runs when a request finishes, before its
+        sequence is freed (e.g. to export its K/V: disaggregated prefill).
 
     Examples
     --------
@@ -177,7 +184,7 @@ class Engine:
     """
 
     def __init__(self, model, cache, *, max_num_seqs=32, max_num_batched_tokens=256,
-                 max_seq_len=None, seed=None):
+                 max_seq_len=None, seed=None, on_finish=None):
         c = model.config
         for name, got, want in (("num_layers", cache.num_layers, c.num_layers),
                                 ("num_kv_heads", cache.num_kv_heads, c.num_kv_heads),
@@ -203,6 +210,7 @@ class Engine:
                                    max_num_batched_tokens=int(max_num_batched_tokens))
         self.rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
         self.requests = {}
+        self.on_finish = on_finish
         self.stats = EngineStats()
         self._next_id = 0
 
@@ -262,8 +270,58 @@ class Engine:
                           int(top_k), top_p, frozenset(int(t) for t in stop_ids))
         self._next_id += 1
         self.requests[request.request_id] = request
-        self.scheduler.add(request)
+        if not self._finishes(request):
+            self.scheduler.add(request)
         return request.request_id
+
+    def _finishes(self, request):
+        """Set the finish reason of a request whose last token ends it; True if it did."""
+        if request.output_ids and request.output_ids[-1] in request.stop_ids:
+            request.finish_reason = "stop"
+        elif len(request.output_ids) >= request.max_new_tokens \
+                or (request.output_ids and request.num_tokens >= self.max_seq_len):
+            request.finish_reason = "length"
+        return request.finished
+
+    def add_prefilled_request(self, prompt_ids, kv, first_token, *, max_new_tokens,
+                              temperature=0.0, stop_ids=()):
+        """Queue a prompt prefilled elsewhere, to be decoded here (disaggregated serving).
+
+        Parameters
+        ----------
+        prompt_ids : sequence of int
+        kv : SequenceKV
+            The prompt's K/V (``kv.num_tokens == len(prompt_ids)``), from
+            ``export_sequence`` of the cache that prefilled it; imported into
+            this engine's cache when the request is admitted.
+        first_token : int
+            The token that prefill generated.
+        max_new_tokens, temperature, stop_ids
+            As for :meth:`add_request`; ``first_token`` counts as the first
+            of the ``max_new_tokens``.
+
+        Returns
+        -------
+        int
+            The request id.  The request's first token is ``first_token``;
+            the next comes from this engine's steps (none when
+            ``first_token`` already finished it: a stop id, or
+            ``max_new_tokens=1``).
+        """
+        if kv.num_tokens != len(prompt_ids):
+            raise ValueError(f"kv: expected K/V of the prompt's {len(prompt_ids)} tokens, got "
+                             f"{kv.num_tokens}")
+        request_id = self._next_id
+        self.add_request(prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature,
+                         stop_ids=stop_ids)
+        request = self.requests[request_id]
+        request.output_ids.append(int(first_token))
+        request.num_computed = kv.num_tokens
+        request.prefilled = kv
+        if self._finishes(request):     # the first token ended it: nothing to decode
+            self.scheduler.waiting.remove(request)
+            request.prefilled = None
+        return request_id
 
     def has_unfinished(self):
         """True while some request is waiting or running."""
@@ -351,12 +409,9 @@ class Engine:
         events = []
         for request, token, row_logits in zip(sampling, next_tokens.tolist(), logits):
             request.output_ids.append(token)
-            if token in request.stop_ids:
-                request.finish_reason = "stop"
-            elif len(request.output_ids) >= request.max_new_tokens \
-                    or request.num_tokens >= self.max_seq_len:
-                request.finish_reason = "length"
-            if request.finished:
+            if self._finishes(request):
+                if self.on_finish is not None:
+                    self.on_finish(request)
                 self.scheduler.finish(request)
             events.append(TokenEvent(request.request_id, token, row_logits,
                                      request.finish_reason))
@@ -372,6 +427,7 @@ class Engine:
         s.peak_window_pages_in_use = max(s.peak_window_pages_in_use, window_pages_in_use)
         s.peak_running = max(s.peak_running, num_running)
         s.num_preemptions = self.scheduler.num_preemptions
+        s.num_swaps = self.scheduler.num_swaps
 
     def warm_up(self):
         """Run one throwaway token through every layer, untimed and uncounted.

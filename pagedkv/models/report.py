@@ -181,7 +181,11 @@ def format_report(stats, cache, *, max_seq_len, wall_seconds, num_prompts,
                      f"peak {memory.peak_window_pages} of {memory.window_pool_pages} pages "
                      f"({memory.peak_window_pages * memory.num_window_layers * mib:.1f} MiB)")
     lines.append(f"prefix cache hit rate: {prefix_hit_rate(cache)}")
-    if stats.num_preemptions:
+    swaps = getattr(stats, "num_swaps", 0)
+    if swaps:
+        lines.append(f"preemptions: {stats.num_preemptions} ({swaps} swapped out to host "
+                     f"memory and back in, resumed without recomputation)")
+    elif stats.num_preemptions:
         lines.append(f"preemptions: {stats.num_preemptions} (requests recomputed after their "
                      f"pages were reclaimed)")
     return lines

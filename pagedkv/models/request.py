@@ -24,15 +24,24 @@ class Request:
     output_ids : list of int
         Tokens generated so far.
     seq_id : int or None
-        The cache sequence while the request holds one (None while waiting,
-        after preemption, and once finished).
+        The cache sequence while the request holds one, swapped out or not
+        (None while waiting, after a preemption that recomputes, and once
+        finished).
     num_computed : int
         Leading tokens of ``prompt_ids + output_ids`` whose K/V are in the
         cache.  Everything after them is computed by coming steps; when all
         but nothing is pending, the next step's last row yields the next token.
     finish_reason : {None, "stop", "length"}
+    prefilled : SequenceKV or None
+        K/V of the leading ``num_computed`` tokens computed elsewhere
+        (disaggregated prefill), imported into the cache when the request is
+        admitted; None once imported, or for a request computed here.
+    import_seconds : float
+        Time that import took.
     num_preemptions : int
-        Times the request lost its pages and was recomputed.
+        Times the request lost its pages: swapped out to host memory (with a
+        cache that swaps; ``seq_id`` and ``num_computed`` are kept), or freed
+        and recomputed.
     """
     request_id: int
     prompt_ids: List[int]
@@ -46,6 +55,8 @@ class Request:
     num_computed: int = 0
     finish_reason: Optional[str] = None
     num_preemptions: int = 0
+    prefilled: Optional[object] = None
+    import_seconds: float = 0.0
 
     @property
     def num_tokens(self):

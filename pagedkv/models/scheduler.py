@@ -7,11 +7,15 @@ first while pages and the sequence limit allow) and leave as soon as they
 finish, freeing their pages for the next step.
 
 When the pool cannot hold the next decode token of every running request,
-the newest running request is preempted: its sequence is freed and it goes
-back to the head of the queue, to be recomputed from its prompt and the
-tokens it has generated so far (recompute is cheap next to the decode steps
-it unblocks, and it keeps page accounting simple).
+the newest running request is preempted.  With a cache that swaps
+(``swap_out`` / ``swap_in``, as ``PagedKVCache`` does), its K/V move to host
+memory and its pages go back to the pool; it resumes where it was, without
+recomputing anything, as soon as its pages fit again, before any new
+request is admitted (vLLM v0's swap).  A cache without swap frees the
+sequence instead, and the request goes back to the head of the queue to be
+recomputed from its prompt and the tokens generated so far.
 """
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import List
@@ -38,7 +42,8 @@ class Scheduler:
     ----------
     cache : PagedKVCache or compatible
         Used for ``add_sequence``, ``free``, ``seq_len``, ``page_count``,
-        ``page_size`` and ``num_free_pages``.
+        ``page_size`` and ``num_free_pages``, and ``swap_out`` / ``swap_in``
+        when it has them.
     max_num_seqs : int
         Most requests holding a sequence at once.
     max_num_batched_tokens : int
@@ -51,14 +56,17 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting = deque()
         self.running: List = []          # admission order, oldest first
+        self.swapped: List = []          # preempted, K/V in host memory; oldest request first
+        self.swaps = callable(getattr(cache, "swap_out", None))
         self.num_preemptions = 0
+        self.num_swaps = 0               # preemptions that swapped out (no recompute)
 
     def add(self, request):
         """Queue a new request (it is admitted by a later :meth:`schedule`)."""
         self.waiting.append(request)
 
     def has_work(self):
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.swapped)
 
     # -- sequences ------------------------------------------------------------------
     def _pages_needed(self, seq_id, num_tokens):
@@ -70,13 +78,22 @@ class Scheduler:
     def _start(self, request):
         """Give a request its cache sequence.
 
-        The one place a sequence is created.  With a prefix-caching cache
+        The one place a sequence is created.  A request whose K/V were
+        computed elsewhere (``request.prefilled``, a SequenceKV) gets them
+        imported.  With a prefix-caching cache
         (``cache.prefix_caching``) the request's tokens go to
         ``add_sequence(token_ids=...)``, the cache may already hold a leading
         part of them (``seq_len > 0``), and only the rest is computed.  At
         least the last token is always left to compute: its row yields the
         next token's logits.
         """
+        if request.prefilled is not None:        # K/V computed elsewhere: imported
+            start = time.perf_counter()
+            request.seq_id = self.cache.import_sequence(request.prefilled)
+            request.import_seconds = time.perf_counter() - start
+            request.prefilled = None
+            self.running.append(request)
+            return
         if getattr(self.cache, "prefix_caching", False):
             seq_id = self.cache.add_sequence(
                 token_ids=request.token_slice(0, request.num_tokens))
@@ -96,7 +113,8 @@ class Scheduler:
         request.seq_id = None
 
     def preempt_newest(self):
-        """Free the newest running request's pages and requeue it for recompute.
+        """Preempt the newest running request: swap its K/V out to host memory (a cache
+        that swaps), or free its pages and requeue it for recompute.
 
         Raises
         ------
@@ -107,12 +125,33 @@ class Scheduler:
             raise OutOfPagesError("the page pool cannot hold even one request's next step; "
                                   "give the cache more pages")
         request = self.running.pop()
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        if self.swaps:
+            self.cache.swap_out(request.seq_id)
+            self.num_swaps += 1
+            self.swapped.append(request)
+            self.swapped.sort(key=lambda r: r.request_id)
+            return
         self.cache.free(request.seq_id)
         request.seq_id = None
         request.num_computed = 0
-        request.num_preemptions += 1
-        self.num_preemptions += 1
         self.waiting.appendleft(request)
+
+    def _swap_in(self, request, budget, free_pages):
+        """Bring a swapped-out request back if its pages and next chunk fit; the chunk's
+        token count (0: it stays swapped out)."""
+        seq_len = self.cache.seq_len(request.seq_id)
+        num_tokens = min(request.num_pending, budget)
+        if -(-(seq_len + num_tokens) // self.cache.page_size) > free_pages:
+            return 0
+        try:
+            self.cache.swap_in(request.seq_id)
+        except OutOfPagesError:          # another pool (a window pool) is short
+            return 0
+        self.swapped.remove(request)
+        self.running.append(request)
+        return num_tokens
 
     # -- the plan ----------------------------------------------------------------------
     def schedule(self):
@@ -122,7 +161,8 @@ class Scheduler:
         -------
         list of ScheduledChunk
             In step-row order: decodes (oldest request first), then prefill
-            chunks of running requests, then chunks of newly admitted ones.
+            chunks of running requests, then the chunks of swapped-out requests
+            brought back, then those of newly admitted ones.
             Empty when there is nothing to run.
         """
         budget = self.max_num_batched_tokens
@@ -162,16 +202,35 @@ class Scheduler:
                 free_pages -= self._pages_needed(request.seq_id, num_tokens)
                 budget -= num_tokens
 
-        # 3. Admit waiting requests, oldest first, while they fit; not in a step
-        #    that had to preempt (the victim would take its pages straight back).
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs \
+        # 3. Swapped-out requests come back, oldest first, while they fit, before any
+        #    new request; not in a step that had to preempt (the victim would take its
+        #    pages straight back).
+        while self.swapped and budget > 0 and len(self.running) < self.max_num_seqs \
+                and self.num_preemptions == preemptions_before:
+            request = self.swapped[0]
+            before = self.cache.num_free_pages
+            num_tokens = self._swap_in(request, budget, free_pages)
+            if not num_tokens:
+                break
+            plan.append(ScheduledChunk(request, num_tokens))
+            free_pages -= before - self.cache.num_free_pages \
+                + self._pages_needed(request.seq_id, num_tokens)
+            budget -= num_tokens
+
+        # 4. Admit waiting requests, oldest first, while they fit; not in a step that
+        #    had to preempt, nor while a swapped-out request waits for room.
+        while self.waiting and not self.swapped and budget > 0 \
+                and len(self.running) < self.max_num_seqs \
                 and self.num_preemptions == preemptions_before:
             request = self.waiting[0]
-            first_chunk = min(request.num_tokens, budget)
-            if -(-first_chunk // self.cache.page_size) > free_pages:
+            first_chunk = min(request.num_pending, budget)
+            if -(-(request.num_computed + first_chunk) // self.cache.page_size) > free_pages:
+                break
+            try:
+                self._start(request)
+            except OutOfPagesError:          # an import short of another pool (window pages)
                 break
             self.waiting.popleft()
-            self._start(request)
             num_tokens = self._fit(request.seq_id, min(request.num_pending, budget), free_pages)
             if not num_tokens:
                 break
@@ -180,7 +239,7 @@ class Scheduler:
             budget -= num_tokens
 
         preempted = self.num_preemptions != preemptions_before
-        if not plan and (self.running or (self.waiting and preempted)):
+        if not plan and (self.running or ((self.waiting or self.swapped) and preempted)):
             # Nothing fits (every running request is prefilling and the pool
             # is full), or a preemption emptied the batch: make room, plan again.
             if self.running:

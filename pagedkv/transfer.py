@@ -1,0 +1,457 @@
+"""Sequences that leave the cache: ``SequenceKV``, export, import and swap.
+
+A :class:`SequenceKV` is one sequence's K/V as the cache stored them, in
+numpy arrays of the storage dtype, one contiguous ``[tokens, num_kv_heads,
+head_dim]`` array per layer for K and for V (plus each row's scale for int8),
+and plain metadata.  It knows nothing of backends, pages or processes, so it
+pickles, crosses Ray's object store and fills a safetensors file
+(:mod:`pagedkv.kv_file`).
+
+Placing one in a cache (:func:`import_sequence`, ``swap_in``, ``load``) takes
+new pages for its tokens (``PageTables.adopt``), then writes every layer's
+rows: the stored bits themselves when the formats agree, so that ``gather``
+returns the same bits; otherwise the exported values as float32 (what the
+source's ``gather`` returns) through the target's ``store``, so that they
+convert exactly as stored values would.  A windowed layer keeps only the
+positions its window still needs; its window pages before them are never
+taken, so a long sequence fits a small window pool.
+"""
+from dataclasses import dataclass
+from typing import NamedTuple, Optional, Tuple
+
+import numpy as np
+
+from pagedkv.backends.base import StepTables, StoredRows
+from pagedkv.backends.host import decode_rows
+from pagedkv.errors import ArgumentTypeError
+from pagedkv.storage import NAMES as STORAGE_NAMES, StorageFormat, storage_format
+
+
+@dataclass(frozen=True, eq=False)
+class SequenceKV:
+    """One sequence's K/V outside any cache: numpy arrays and plain metadata.
+
+    Made by ``PagedKVCache.export_sequence``; placed by ``import_sequence``.
+    It pickles, and it depends on no backend, page size, page id or process.
+
+    Attributes
+    ----------
+    num_tokens : int
+        The sequence's length.
+    num_kv_heads, head_dim : int
+    dtype : str
+        The storage dtype it was exported from (``"float32"``, ``"float16"``, ``"int8"``).
+    rotation_block : int
+        int8: the Hadamard block its rows are rotated by (0: not rotated;
+        see :mod:`pagedkv.storage`).  0 for float dtypes.
+    layer_start : tuple of int, shape [num_layers]
+        First position held per layer: 0, or later for a windowed layer that
+        had given older positions back.
+    keys, values : tuple of ndarray, shape [num_layers]
+        Layer ``l``'s K and V rows of positions ``layer_start[l]:num_tokens``,
+        each C-contiguous, shape ``[num_tokens - layer_start[l], num_kv_heads,
+        head_dim]``, in the storage dtype (float16 as ``numpy.float16``,
+        int8 as the stored integers).
+    key_scales, value_scales : tuple of ndarray or None
+        int8: each row's float32 scale, shape ``[num_tokens - layer_start[l],
+        num_kv_heads]`` per layer; None for float dtypes.
+    token_ids : ndarray, shape [num_tokens], int32, or None
+        The sequence's token ids when the cache knew them (prefix caching).
+    """
+    num_tokens: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    rotation_block: int
+    layer_start: Tuple[int, ...]
+    keys: Tuple[np.ndarray, ...]
+    values: Tuple[np.ndarray, ...]
+    key_scales: Optional[Tuple[np.ndarray, ...]] = None
+    value_scales: Optional[Tuple[np.ndarray, ...]] = None
+    token_ids: Optional[np.ndarray] = None
+
+    def __post_init__(self):
+        # sequences given as lists become the tuples a frozen object keeps
+        for name in ("layer_start", "keys", "values", "key_scales", "value_scales"):
+            value = getattr(self, name)
+            if isinstance(value, list):
+                object.__setattr__(self, name, tuple(value))
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_start)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of K/V held: values and scales of every layer."""
+        arrays = self.keys + self.values + (self.key_scales or ()) + (self.value_scales or ())
+        return sum(a.nbytes for a in arrays)
+
+    @property
+    def storage(self):
+        """The :class:`pagedkv.storage.StorageFormat` its rows are in."""
+        return storage_format(self.dtype, self.head_dim, self.rotation_block != 0)
+
+    def rows(self, layer, start=None):
+        """Layer ``layer``'s rows from position ``start`` (default: all held), as
+        :class:`pagedkv.backends.base.StoredRows`."""
+        skip = 0 if start is None else start - self.layer_start[layer]
+        scales = (self.key_scales[layer][skip:], self.value_scales[layer][skip:]) \
+            if self.key_scales is not None and self.value_scales is not None else (None, None)
+        return StoredRows(self.keys[layer][skip:], self.values[layer][skip:], *scales)
+
+    def __repr__(self):
+        return (f"SequenceKV(num_tokens={self.num_tokens}, num_layers={self.num_layers}, "
+                f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
+                f"dtype={self.dtype!r}, nbytes={self.nbytes})")
+
+    def check(self, name="kv"):
+        """Raise ValueError (naming the field) unless every field is consistent; returns self.
+
+        Import and load call this: an unpickled or hand-made object skips
+        ``__init__``, and nothing inconsistent may reach the kernels.
+        """
+        for field in ("num_tokens", "num_kv_heads", "head_dim", "rotation_block"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+                raise ValueError(f"{name}.{field}: expected an int >= 0, got {value!r}"[:200])
+        if self.num_kv_heads < 1 or self.head_dim < 1:
+            raise ValueError(f"{name}: expected num_kv_heads and head_dim >= 1, got "
+                             f"{self.num_kv_heads} and {self.head_dim}")
+        if self.dtype not in STORAGE_NAMES:
+            raise ValueError(f"{name}.dtype: expected one of {STORAGE_NAMES}, got {self.dtype!r}")
+        storage = self.storage
+        if storage.rotation_block != self.rotation_block:
+            raise ValueError(f"{name}.rotation_block: {self.dtype} rows of head_dim "
+                             f"{self.head_dim} are rotated by blocks of "
+                             f"{storage.rotation_block} or not at all (0), got "
+                             f"{self.rotation_block}")
+        starts = self.layer_start
+        if not isinstance(starts, tuple) or not starts or any(
+                isinstance(s, bool) or not isinstance(s, (int, np.integer))
+                or not 0 <= s <= self.num_tokens for s in starts):
+            raise ValueError(f"{name}.layer_start: expected a non-empty tuple of ints in "
+                             f"[0, num_tokens={self.num_tokens}], got {starts!r}"[:200])
+        arrays = {"keys": (self.keys, storage.element, 3),
+                  "values": (self.values, storage.element, 3)}
+        for field in ("key_scales", "value_scales"):
+            given = getattr(self, field)
+            if storage.scaled:
+                arrays[field] = (given, np.dtype(np.float32), 2)
+            elif given is not None:
+                raise ValueError(f"{name}.{field}: {self.dtype} rows have no scales; "
+                                 f"expected None")
+        for field, (given, dtype, ndim) in arrays.items():
+            if not isinstance(given, tuple) or len(given) != len(starts):
+                raise ValueError(f"{name}.{field}: expected a tuple of {len(starts)} arrays "
+                                 f"(one per layer), got {type(given).__name__}")
+            for layer, (array, start) in enumerate(zip(given, starts)):
+                shape = (self.num_tokens - start, self.num_kv_heads, self.head_dim)[:ndim]
+                if not isinstance(array, np.ndarray) or array.dtype != dtype or \
+                        array.shape != shape:
+                    got = f"{array.dtype} {list(array.shape)}" if isinstance(
+                        array, np.ndarray) else type(array).__name__
+                    raise ValueError(f"{name}.{field}[{layer}]: expected a {dtype} array of "
+                                     f"shape {list(shape)}, got {got}")
+        ids = self.token_ids
+        if ids is not None and (not isinstance(ids, np.ndarray) or ids.dtype != np.int32
+                                or ids.shape != (self.num_tokens,)):
+            raise ValueError(f"{name}.token_ids: expected None or an int32 array of shape "
+                             f"[{self.num_tokens}]")
+        return self
+
+
+def _windowed_layers(cache):
+    return [layer for layer, window in enumerate(cache.layer_windows) if window is not None]
+
+
+def rows_in_one_buffer(storage, counts, num_kv_heads, head_dim):
+    """Empty StoredRows of ``counts[l]`` rows per layer, views of one new buffer.
+
+    One allocation instead of one per array: the kernel backs a large one
+    with huge pages (numpy advises it), where many arrays of a few MB fault
+    in 4 KiB at a time (export of 189 MB: 46,000 page faults, most of its
+    time, against some 700).
+    """
+    shapes = []                        # per layer: k, v (and their scales), as StoredRows
+    for n in counts:
+        values = (n, num_kv_heads, head_dim)
+        shapes.append([(values, storage.element)] * 2 +
+                      ([(values[:2], np.dtype(np.float32))] * 2 if storage.scaled else []))
+    sizes = [-(-int(np.prod(shape)) * dtype.itemsize // 64) * 64      # 64-byte aligned
+             for layer in shapes for shape, dtype in layer]
+    buffer = np.empty(sum(sizes), np.uint8)
+    at = 0
+    rows = []
+    for layer in shapes:
+        arrays = []
+        for shape, dtype in layer:
+            nbytes = int(np.prod(shape)) * dtype.itemsize
+            arrays.append(buffer[at:at + nbytes].view(dtype).reshape(shape))
+            at += -(-nbytes // 64) * 64
+        rows.append(StoredRows(*arrays))
+    return rows
+
+
+def export_sequence(cache, seq_id):
+    """``cache.export_sequence``: a copy of the sequence's stored rows."""
+    tables = cache._tables
+    if tables.is_swapped(seq_id):
+        return cache._swapped[int(seq_id)]
+    length = tables.seq_len(seq_id)
+    windowed = bool(_windowed_layers(cache))
+    held_from = tables.window_held_from(seq_id) if windowed else 0
+    slots = {False: tables.slots(seq_id, 0, length, False)}
+    if windowed:
+        slots[True] = tables.slots(seq_id, held_from, length, True)
+    layer_start = [0 if window is None else held_from for window in cache.layer_windows]
+    rows = rows_in_one_buffer(cache.storage, [length - start for start in layer_start],
+                              cache.num_kv_heads, cache.head_dim)
+    for layer, window in enumerate(cache.layer_windows):
+        cache._backend.read_rows(layer, slots[window is not None], rows[layer])
+    tokens = tables.known_tokens(seq_id) if cache.prefix_caching else None
+    scaled = cache.storage.scaled
+    return SequenceKV(
+        num_tokens=length, num_kv_heads=cache.num_kv_heads, head_dim=cache.head_dim,
+        dtype=cache.storage.name, rotation_block=cache.storage.rotation_block,
+        layer_start=tuple(layer_start), keys=tuple(r.k for r in rows),
+        values=tuple(r.v for r in rows),
+        key_scales=tuple(r.k_scales for r in rows) if scaled else None,
+        value_scales=tuple(r.v_scales for r in rows) if scaled else None,
+        token_ids=tokens if tokens is not None and len(tokens) == length else None)
+
+
+def check_fits(cache, kv, name="kv"):
+    """ValueError (naming the field) unless ``kv`` is a consistent SequenceKV of
+    this cache's shape."""
+    if not isinstance(kv, SequenceKV):
+        raise ArgumentTypeError(f"{name}: expected a pagedkv.SequenceKV (from "
+                                f"export_sequence), got {type(kv).__name__}")
+    kv.check(name)
+    for field in ("num_layers", "num_kv_heads", "head_dim"):
+        if getattr(kv, field) != getattr(cache, field):
+            raise ValueError(f"{name}.{field}: this cache has {field}={getattr(cache, field)}, "
+                             f"the sequence's K/V {getattr(kv, field)}")
+    limit = min(cache.max_seq_len or 2**31 - 1, 2**31 - 1)
+    if kv.num_tokens > limit:
+        raise ValueError(f"{name}.num_tokens: {kv.num_tokens} tokens, over this cache's "
+                         + (f"max_seq_len={cache.max_seq_len}" if cache.max_seq_len
+                            else "int32 limit of the tables"))
+
+
+def window_start(cache, kv, trim=True):
+    """The first position the windowed layers of ``cache`` hold of ``kv`` (a page
+    boundary), or ValueError naming a layer that needs positions ``kv`` lacks.
+
+    Full-attention layers hold every position.  Windowed layers hold whole
+    pages from the first page ``kv`` covers in every windowed layer; with
+    ``trim``, not before the pages a decode step would keep (what the window
+    and ``window_rollback_tokens`` need), so that no window page is taken
+    for positions no query can see.
+    """
+    length, page_size = kv.num_tokens, cache.page_size
+    windows = cache.layer_windows
+    for layer, window in enumerate(windows):
+        if window is None and kv.layer_start[layer] > 0:
+            raise ValueError(
+                f"layer_start: layer {layer} is a full-attention layer of this cache and needs "
+                f"K/V from position 0; the sequence's K/V of layer {layer} start at position "
+                f"{kv.layer_start[layer]}")
+    windowed = _windowed_layers(cache)
+    if not windowed:
+        return 0
+    held = max(kv.layer_start[layer] for layer in windowed)
+    start = -(-held // page_size) * page_size
+    if trim:
+        keep = max(0, min(length, length - cache._tables.rollback)
+                   - cache._tables.window + 1)
+        start = max(start, keep // page_size * page_size)
+    for layer in windowed:
+        need = max(0, length - windows[layer] + 1)
+        if start > need:
+            raise ValueError(
+                f"layer_start: layer {layer} (sliding window {windows[layer]}) needs K/V from "
+                f"position {need} of {length}; the sequence's K/V of layer "
+                f"{max(windowed, key=lambda w: kv.layer_start[w])} start at position {held}"
+                + (f", which in pages of {page_size} tokens is position {start}"
+                   if start != held else ""))
+    return min(start, length)
+
+
+def write_rows(cache, layer, slots, rows, storage):
+    """Write stored rows of format ``storage`` at ``slots`` of ``layer``: the bits
+    as they are when the formats agree, else their float32 values through
+    ``store`` (converted as stored values are)."""
+    if not len(slots):
+        return
+    if storage == cache.storage:
+        cache._backend.write_rows(layer, slots, rows)
+        return
+    k = decode_rows(storage, rows.k, rows.k_scales)
+    v = decode_rows(storage, rows.v, rows.v_scales)
+    n = len(slots)
+    tables = StepTables(query_start=np.array([0, n], np.int32),
+                        seq_lens=np.array([n], np.int32), slot_mapping=slots,
+                        page_indptr=np.zeros(2, np.int32), page_indices=np.zeros(0, np.int32))
+    cache._backend.prepare_step(tables)
+    cache._backend.store(layer, tables, k, v)
+
+
+def write_sequence(cache, kv, seq_id, start):
+    """Fill the placed sequence ``seq_id`` from ``kv``; windowed layers from ``start``."""
+    tables, storage = cache._tables, kv.storage
+    slots = {False: tables.slots(seq_id, 0, kv.num_tokens, False)}
+    if _windowed_layers(cache):
+        slots[True] = tables.slots(seq_id, start, kv.num_tokens, True)
+    for layer, window in enumerate(cache.layer_windows):
+        first = 0 if window is None else start
+        write_rows(cache, layer, slots[window is not None], kv.rows(layer, first), storage)
+
+
+def import_sequence(cache, kv, start=None):
+    """``cache.import_sequence``: a new sequence holding ``kv``'s K/V (checked
+    already; ``start``: its :func:`window_start`, when known)."""
+    if start is None:
+        start = window_start(cache, kv)
+    tokens = kv.token_ids if cache.prefix_caching else None
+    return cache._tables.adopt(kv.num_tokens, tokens, start // cache.page_size,
+                               lambda seq_id: write_sequence(cache, kv, seq_id, start))
+
+
+def swap_out(cache, seq_id):
+    """``cache.swap_out``: the sequence's K/V to host memory, its pages to the pools."""
+    kv = export_sequence(cache, seq_id)
+    for array in kv.keys + kv.values + (kv.key_scales or ()) + (kv.value_scales or ()):
+        array.setflags(write=False)       # what export_sequence hands out must stay as it is
+    cache._tables.swap_out(seq_id)
+    cache._swapped[int(seq_id)] = kv
+
+
+def swap_in(cache, seq_id):
+    """``cache.swap_in``: the sequence's K/V back on new pages, as they were."""
+    if not cache._tables.is_swapped(seq_id):
+        raise ValueError(f"seq_id: sequence {seq_id} is not swapped out")
+    kv = cache._swapped[int(seq_id)]
+    start = window_start(cache, kv, trim=False)
+    cache._tables.swap_in(seq_id, start // cache.page_size,
+                          lambda s: write_sequence(cache, kv, s, start))
+    del cache._swapped[int(seq_id)]
+
+
+class CachedChains(NamedTuple):
+    """Cached page chains outside any cache (the prefix cache of a file).
+
+    Attributes
+    ----------
+    page_size : int
+    storage : StorageFormat
+        The format of ``rows``.
+    token_ids : ndarray, shape [N, page_size], int32
+    parents : ndarray, shape [N], int64
+        Each page's parent, an earlier page, or -1 for a prompt's first page.
+    has_window : ndarray, shape [N], bool
+        Whether the windowed layers' K/V of the page are held.
+    layer_windowed : tuple of bool, shape [num_layers]
+        Whether the layer's ``rows`` are those of the ``has_window`` pages only.
+    rows : tuple of StoredRows, shape [num_layers]
+        ``page_size`` rows per page, pages in order.
+    """
+    page_size: int
+    storage: StorageFormat
+    token_ids: np.ndarray
+    parents: np.ndarray
+    has_window: np.ndarray
+    layer_windowed: Tuple[bool, ...]
+    rows: Tuple[StoredRows, ...]
+
+
+def _recut_positions(chains, page_size):
+    """The pages of ``page_size`` tokens that the chains' token prefixes fill.
+
+    Returns
+    -------
+    node, offset : ndarray, shape [M, page_size], int64
+        Where each position of each new page comes from (a chain page, and the
+        position in it).
+    parents : ndarray, shape [M], int64
+    """
+    ps, parents = chains.page_size, chains.parents
+    depth = np.zeros(len(parents), np.int64)
+    for i, parent in enumerate(parents.tolist()):
+        depth[i] = 0 if parent < 0 else depth[parent] + 1
+    index_of: dict = {}      # (chain page holding a new page's last position, new page) -> index
+    nodes: list = []
+    offsets: list = []
+    new_parents: list = []
+    for end in range(len(parents)):
+        first = int(depth[end]) * ps     # the chain page's first position
+        for j in range(-(-(first + 1) // page_size) - 1, (first + ps) // page_size):
+            node, offset = np.empty(page_size, np.int64), np.empty(page_size, np.int64)
+            at = end
+            for pos in range((j + 1) * page_size - 1, j * page_size - 1, -1):
+                while depth[at] * ps > pos:
+                    at = parents[at]
+                node[pos - j * page_size], offset[pos - j * page_size] = at, pos - depth[at] * ps
+            if j:
+                while depth[at] * ps > j * page_size - 1:
+                    at = parents[at]
+            index_of[end, j] = len(nodes)
+            new_parents.append(index_of[at, j - 1] if j else -1)
+            nodes.append(node)
+            offsets.append(offset)
+    shape = (len(nodes), page_size)
+    return (np.array(nodes, np.int64).reshape(shape), np.array(offsets, np.int64).reshape(shape),
+            np.array(new_parents, np.int64))
+
+
+def add_cached_chains(cache, chains, reserve, reserve_window):
+    """Enter ``chains`` in the cache's prefix cache, cut into its page size, converted
+    to its format; only pages whose K/V every layer here needs are held (and
+    then their descendants).  ``reserve``: pages kept free for what comes next."""
+    page_size = cache.page_size
+    if page_size == chains.page_size:
+        n = len(chains.parents)
+        node = np.repeat(np.arange(n, dtype=np.int64)[:, None], page_size, axis=1)
+        offset = np.tile(np.arange(page_size, dtype=np.int64), (n, 1))
+        parents = chains.parents
+    else:
+        node, offset, parents = _recut_positions(chains, page_size)
+    # per layer of the chains: where a page's rows start in ``rows``, -1 where it has none
+    windowed_rank = np.where(chains.has_window, np.cumsum(chains.has_window) - 1, -1)
+    full_rank = np.arange(len(chains.parents), dtype=np.int64)
+    rank = [windowed_rank if windowed else full_rank for windowed in chains.layer_windowed]
+    held = [(r[node] >= 0).all(axis=1) for r in rank]      # [num_layers] of [M] bool
+    full_layers = [layer for layer, w in enumerate(cache.layer_windows) if w is None]
+    windowed = [layer for layer, w in enumerate(cache.layer_windows) if w is not None]
+    valid = np.logical_and.reduce([held[layer] for layer in full_layers] + [np.ones(len(node),
+                                                                                     bool)])
+    has_window = np.logical_and.reduce([held[layer] for layer in windowed]) if windowed         else np.zeros(len(node), bool)
+    for i, parent in enumerate(parents.tolist()):     # a page without its parent is unreachable
+        valid[i] &= parent < 0 or valid[parent]
+    keep = np.flatnonzero(valid)
+    renumber = np.full(len(node), -1, np.int64)
+    renumber[keep] = np.arange(len(keep))
+    parents = np.where(parents[keep] >= 0, renumber[parents[keep]], -1)
+    node, offset, has_window = node[keep], offset[keep], has_window[keep]
+    if not len(keep):
+        return 0
+    rows_at = [rank[layer][node] * chains.page_size + offset for layer in range(len(rank))]
+    token_ids = np.ascontiguousarray(chains.token_ids[node, offset])
+    offsets = np.arange(page_size, dtype=np.int64)
+
+    def write(pages, window_pages):
+        for layer, window in enumerate(cache.layer_windows):
+            targets = pages if window is None else window_pages
+            chosen = np.flatnonzero(targets >= 0)
+            slots = (targets[chosen, None].astype(np.int64) * page_size + offsets).ravel()
+            at = rows_at[layer][chosen].ravel()
+            if len(at) and at[-1] - at[0] == len(at) - 1 and \
+                    np.array_equal(at, np.arange(at[0], at[0] + len(at))):
+                at = slice(int(at[0]), int(at[0]) + len(at))     # in order: views, no copy
+            rows = StoredRows(*(None if a is None else a[at]     # type: ignore[arg-type]
+                                for a in chains.rows[layer]))
+            write_rows(cache, layer, slots, rows, chains.storage)
+
+    return cache._tables.add_cached_chains(token_ids, np.ascontiguousarray(parents),
+                                           np.ascontiguousarray(has_window), write, reserve,
+                                           reserve_window)
