@@ -11,6 +11,8 @@ Tests marked ``slow`` are the few that take most of the suite's time (whole
 models, builds, emulators, simulators, model checkers); ``pytest -m "not
 slow"`` leaves them out for a first check, and CI runs everything.
 """
+import os
+
 import pytest
 
 import pagedkv
@@ -47,3 +49,12 @@ def backend(request, monkeypatch):
         return "host"
     monkeypatch.setenv("PAGEDKV_DEVICE", request.param.index)
     return "opencl"
+
+
+@pytest.fixture(scope="session")
+def hf_converted_dir(tmp_path_factory):
+    """Where tests keep GGUF models dequantized by transformers (``pagedkv.hf.loading``):
+    converting takes about a minute per model, loading the result a second.  Once per
+    session, or once for good with ``$PAGEDKV_HF_MODEL_CACHE`` naming a folder."""
+    folder = os.environ.get("PAGEDKV_HF_MODEL_CACHE")
+    return folder if folder else str(tmp_path_factory.mktemp("hf-models"))

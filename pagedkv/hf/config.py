@@ -1,0 +1,158 @@
+"""What pagedkv needs to know about a transformers model, read from its config, and
+every reason it cannot serve one, named before anything is allocated.
+
+A decoder maps onto one :class:`~pagedkv.PagedKVCache`: its layers
+(``num_hidden_layers``), KV heads (``num_key_value_heads``; GQA when fewer than
+``num_attention_heads``), ``head_dim``, and per layer a window
+(``sliding_attention`` layers take ``sliding_window`` as their
+``layer_windows`` entry; ``full_attention`` layers none).  The variants of the
+attention call come from the config too: the scale (``query_pre_attn_scalar``
+** -0.5 where a model has it, else ``head_dim`` ** -0.5; the model's own
+``scaling`` wins when it passes one) and the soft cap
+(``attn_logit_softcapping``).  Learned sinks (gpt-oss) are weights, not config:
+the attention function takes them from the call (``s_aux``).
+"""
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+#: Layer types of transformers' configs that map onto a pagedkv layer.
+SERVED_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+class UnsupportedModelError(ValueError):
+    """A model whose attention pagedkv cannot serve; the message names the config field."""
+
+
+@dataclass(frozen=True)
+class ModelAttention:
+    """The attention geometry and variants of a decoder.
+
+    Attributes
+    ----------
+    model_type : str
+    num_layers, num_heads, num_kv_heads, head_dim : int
+    layer_windows : tuple of (int or None), length num_layers
+        ``W`` for a sliding-window layer, ``None`` for a full-attention one.
+    scale : float
+        Default logit scale (the model's ``scaling`` argument overrides it).
+    logits_soft_cap : float or None
+    vocab_size : int
+    max_position : int
+        ``max_position_embeddings`` (the context the model was built for).
+    """
+    model_type: str
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    layer_windows: Tuple[Optional[int], ...]
+    scale: float
+    logits_soft_cap: Optional[float]
+    vocab_size: int
+    max_position: int
+
+    @property
+    def has_windowed_layers(self):
+        return any(w is not None for w in self.layer_windows)
+
+
+def _positive_int(config, name, value):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise UnsupportedModelError(f"config.{name}: expected a positive int, got {value!r} "
+                                    f"({config.model_type})")
+    return value
+
+
+def _check_layer_types(layer_types):
+    for index, kind in enumerate(layer_types):
+        if kind not in SERVED_LAYER_TYPES:
+            raise UnsupportedModelError(
+                f"config.layer_types[{index}]: {kind!r} has no mapping in pagedkv (it serves "
+                f"{' and '.join(map(repr, SERVED_LAYER_TYPES))} layers)")
+
+
+def read_model_attention(config):
+    """The :class:`ModelAttention` of a transformers config.
+
+    Parameters
+    ----------
+    config : transformers.PretrainedConfig
+        A decoder's config (``model.config``); a multimodal model's text config
+        is used.
+
+    Returns
+    -------
+    ModelAttention
+
+    Raises
+    ------
+    UnsupportedModelError
+        An attention pagedkv has no mapping for (a layer type other than
+        ``full_attention`` and ``sliding_attention``: chunked, linear or
+        shared-KV layers), bidirectional attention, heads that GQA cannot group,
+        or keys and values of different widths (MLA); the message names the
+        config field and its value.
+    """
+    from transformers import PretrainedConfig
+    from transformers.cache_utils import get_layer_types_and_kwargs
+
+    if not isinstance(config, PretrainedConfig):
+        raise UnsupportedModelError(f"config: expected a transformers PretrainedConfig "
+                                    f"(model.config), got {type(config).__name__}")
+    config = config.get_text_config(decoder=True)
+    model_type = getattr(config, "model_type", type(config).__name__)
+    if getattr(config, "is_encoder_decoder", False):
+        raise UnsupportedModelError(f"config.is_encoder_decoder: {model_type} is an "
+                                    f"encoder-decoder; pagedkv serves decoder-only models")
+    if not getattr(config, "is_causal", True) or getattr(config, "use_bidirectional_attention",
+                                                         False):
+        raise UnsupportedModelError(f"config.use_bidirectional_attention: {model_type} "
+                                    f"attends bidirectionally; pagedkv's attention is causal")
+    num_layers = _positive_int(config, "num_hidden_layers", config.num_hidden_layers)
+    num_heads = _positive_int(config, "num_attention_heads", config.num_attention_heads)
+    num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
+    _positive_int(config, "num_key_value_heads", num_kv_heads)
+    if num_heads % num_kv_heads:
+        raise UnsupportedModelError(
+            f"config.num_key_value_heads: {num_kv_heads} does not divide "
+            f"num_attention_heads={num_heads}; grouped-query attention needs a multiple")
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+    _positive_int(config, "head_dim", head_dim)
+    if getattr(config, "kv_lora_rank", None) is not None:
+        raise UnsupportedModelError(
+            f"config.kv_lora_rank: {config.kv_lora_rank}: {model_type} uses multi-head latent "
+            f"attention, which has no mapping in pagedkv")
+    for name in ("v_head_dim", "global_head_dim"):
+        value = getattr(config, name, None)
+        if value is not None and value != head_dim:
+            raise UnsupportedModelError(
+                f"config.{name}: {value}, not head_dim={head_dim}: keys and values of other "
+                f"widths than head_dim have no mapping in pagedkv")
+
+    # the config's own list first: transformers' reading of it may fail on types it
+    # cannot size; then its reading (types inferred from windows, shared-KV layers)
+    _check_layer_types(getattr(config, "layer_types", None) or ())
+    layer_types, layer_kwargs = get_layer_types_and_kwargs(config)
+    _check_layer_types(layer_types)
+    windows = []
+    for kind, kwargs in zip(layer_types, layer_kwargs):
+        window = kwargs.get("sliding_window") if kind == "sliding_attention" else None
+        if kind == "sliding_attention":
+            _positive_int(config, "sliding_window", window)
+        windows.append(window)
+    if len(windows) != num_layers:
+        raise UnsupportedModelError(f"config.layer_types: expected {num_layers} entries "
+                                    f"(num_hidden_layers), got {len(windows)}")
+
+    pre_attn = getattr(config, "query_pre_attn_scalar", None)
+    scale = float(pre_attn) ** -0.5 if pre_attn else float(head_dim) ** -0.5
+    cap = getattr(config, "attn_logit_softcapping", None)
+    if cap is not None and not cap > 0:
+        raise UnsupportedModelError(f"config.attn_logit_softcapping: expected a float > 0 or "
+                                    f"None, got {cap!r}")
+    return ModelAttention(
+        model_type=model_type, num_layers=num_layers, num_heads=num_heads,
+        num_kv_heads=num_kv_heads, head_dim=head_dim, layer_windows=tuple(windows),
+        scale=scale, logits_soft_cap=None if cap is None else float(cap),
+        vocab_size=int(config.vocab_size),
+        max_position=int(getattr(config, "max_position_embeddings", None) or 2**31 - 1))
