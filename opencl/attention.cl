@@ -58,6 +58,11 @@
  * merge loops over a bounded number of parts.
  */
 #include "pkv_common.h"
+/* the variant contract (band, logit, online softmax, merge), over pkv_common.h's exp */
+PKV_DEFINE_TANH(inline, pkv_tanh, float, pkv_exp, fabs, copysign)
+#define PKV_VARIANT_EXP pkv_exp
+#define PKV_VARIANT_TANH pkv_tanh
+#include "pkv_variant.h"
 #include "pkv_work_item.h"
 
 #if PKV_NQ % PKV_QB || PKV_CHUNK % PKV_TB || PKV_DV % PKV_CB || PKV_DV % PKV_SPLIT \
@@ -151,18 +156,9 @@ typedef int pkv_sivec;
 PKV_DEFINE_EXP(pkv_exp_s, pkv_svec, pkv_sivec, PKV_AS_SVEC, PKV_AS_SIVEC)
 /* tanh on PKV_SW lanes at once (pkv_tanh.h), for the soft cap */
 PKV_DEFINE_TANH(inline, pkv_tanh_s, pkv_svec, pkv_exp_s, fabs, copysign)
-
-/* What turns an accumulator (max m, sum of weights) into the output, with a
- * sink logit (-inf: none) in the denominator: f / (sum * f + exp(sink - top)),
- * f = exp(m - top), top = max(m, sink), so that no exponent is positive.  A
- * query that saw no key gets 0. */
-inline float pkv_output_scale(const float m, const float sum, const float sink) {
-    const float top = PKV_MAX(m, sink);
-    if (top == -INFINITY) return 0.0f;
-    const float f = pkv_exp(m - top);
-    const float denominator = sum * f + pkv_exp(sink - top);
-    return denominator > 0.0f ? f / denominator : 0.0f;
-}
+/* the contract's logit and softmax steps on PKV_SW lanes at once */
+PKV_DEFINE_LOGIT(inline, pkv_logit_s, pkv_svec, pkv_tanh_s)
+PKV_DEFINE_SOFTMAX(inline, _s, pkv_svec, pkv_sivec, pkv_exp_s)
 
 __kernel __attribute__((reqd_work_group_size(PKV_WG, 1, 1)))
 void paged_attention(__global const float* q,              /* [T, num_heads, D] */
@@ -225,7 +221,7 @@ void paged_attention(__global const float* q,              /* [T, num_heads, D] 
     const int b = item[PKV_W_SEQ], h = item[PKV_W_KV_HEAD], kv_head = h / sub_groups;
     const int row0 = item[PKV_W_ROW0], row1 = item[PKV_W_ROW1];
     const int key0 = item[PKV_W_KEY0], key1 = item[PKV_W_KEY1], part = item[PKV_W_PART];
-    const int band_lo = item[PKV_W_BAND_LO], band_hi = item[PKV_W_BAND_HI];
+    const pkv_band band = PKV_ITEM_BAND(item);
     const int num_kv_heads = num_groups / sub_groups, num_heads = num_groups * group;
     const int nq = (row1 - row0) * group;       /* query qi: row row0 + qi / group, head h * group + qi % group */
     const int query_blocks = PKV_CEIL(nq, PKV_QB);
@@ -347,14 +343,14 @@ void paged_attention(__global const float* q,              /* [T, num_heads, D] 
             if (tile < score_tiles) {
                 const int qb = tile / key_blocks, t0 = (tile % key_blocks) * PKV_TB;
                 __global const pkv_vec* qv[PKV_QB];
-                int q_lo[PKV_QB], q_hi[PKV_QB];
+                long q_lo[PKV_QB], q_hi[PKV_QB];
                 PKV_UNROLL
                 for (int j = 0; j < PKV_QB; ++j) {
                     const int qi = PKV_MIN(qb * PKV_QB + j, nq - 1), r = row0 + qi / group;
                     qv[j] = (__global const pkv_vec*)(
                         q + ((size_t)r * num_heads + h * group + qi % group) * PKV_D);
-                    q_lo[j] = band_lo + qi / group;
-                    q_hi[j] = band_hi + qi / group;
+                    q_lo[j] = pkv_band_lo(band, qi / group);
+                    q_hi[j] = pkv_band_hi(band, qi / group);
                 }
                 pkv_k_row kr[PKV_TB];
                 PKV_UNROLL
@@ -409,36 +405,34 @@ void paged_attention(__global const float* q,              /* [T, num_heads, D] 
             if (qi < nq) {
                 __local pkv_svec* s = scores_v + qi * (PKV_CHUNK / PKV_SW);
                 /* the band relative to the chunk, in long: c0 may be near INT_MAX */
-                const long lo = (long)band_lo + qi / group - c0, hi = (long)band_hi + qi / group - c0;
+                const long lo = pkv_band_lo(band, qi / group) - c0;
+                const long hi = pkv_band_hi(band, qi / group) - c0;
                 const int v_lo = (int)PKV_MAX(lo, 0L), v_hi = (int)PKV_MIN(hi, (long)n_keys);
                 const int n_vec = PKV_CEIL(n_keys, PKV_SW);
                 /* lanes past n_keys hold no logit: zero them, so that no lane the
                    vector loads below read is uninitialised */
                 for (int t = n_keys; t < n_vec * PKV_SW; ++t) scores[qi * PKV_CHUNK + t] = 0.0f;
-                if (soft_cap > 0.0f)   /* the visible logits capped, PKV_SW at once */
+                if (soft_cap > 0.0f)   /* the visible logits transformed, PKV_SW at once */
                     for (int v = 0; v < n_vec; ++v) {
                         const pkv_svec x = s[v];
-                        s[v] = x == (pkv_svec)(-INFINITY) ? x : soft_cap * pkv_tanh_s(x * inverse_cap);
+                        s[v] = x == (pkv_svec)(-INFINITY) ? x : pkv_logit_s(x, soft_cap, inverse_cap);
                     }
                 const float m_old = run_max[qi];
                 pkv_svec m_vec = m_old;
                 for (int v = 0; v < n_vec; ++v) {
                     const pkv_sivec lane = PKV_SLANES + v * PKV_SW;
-                    const pkv_svec x = ((lane >= v_lo) & (lane < v_hi)) ? s[v] : (pkv_svec)(-INFINITY);
-                    m_vec = m_vec > x ? m_vec : x;
+                    m_vec = pkv_max_step_s(m_vec, s[v], (lane >= v_lo) & (lane < v_hi));
                 }
                 const float m_new = pkv_hmax(m_vec);
-                /* m_new == -inf: nothing visible yet; exp(-inf - -inf) would be NaN */
-                const float shift = m_new == -INFINITY ? 0.0f : m_new;
                 pkv_svec total = 0.0f;
                 for (int v = 0; v < n_vec; ++v) {
                     const pkv_sivec lane = PKV_SLANES + v * PKV_SW;
-                    const pkv_svec p = ((lane >= v_lo) & (lane < v_hi))
-                        ? pkv_exp_s(s[v] - shift) : (pkv_svec)(0.0f);
+                    const pkv_svec p = pkv_weight_s(s[v], (pkv_svec)(m_new),
+                                                    (lane >= v_lo) & (lane < v_hi));
                     s[v] = p;
                     total += p;
                 }
-                const float alpha = m_new == -INFINITY ? 1.0f : pkv_exp(m_old - m_new);
+                const float alpha = pkv_rescale(m_old, m_new);
                 rescale[qi] = alpha;
                 run_max[qi] = m_new;
                 run_sum[qi] = run_sum[qi] * alpha + PKV_SSUM(total);
@@ -547,8 +541,7 @@ void merge_partials(__global const int* items, __global const int* seg_items,
             float total = 0.0f;
             for (int w = first; w < last; ++w) {
                 const float pm = part_max[(size_t)w * PKV_NQ + qi];
-                /* a part that saw no key of this query (max -inf) weighs nothing */
-                const float weight = pm == -INFINITY ? 0.0f : pkv_exp(pm - m);
+                const float weight = pkv_part_weight(pm, m);
                 total += part_sum[(size_t)w * PKV_NQ + qi] * weight;
                 acc += PKV_VLOAD_F(((size_t)w * PKV_NQ + qi) * PKV_DV + vec, part_acc) * weight;
             }

@@ -12,7 +12,7 @@ trust them and run without the GIL.
 import numpy as np
 cimport numpy as cnp
 from cython.parallel cimport prange, threadid
-from libc.math cimport expf, INFINITY
+from libc.math cimport INFINITY
 from libc.stdint cimport int8_t, int32_t, int64_t, uint16_t
 
 cnp.import_array()
@@ -20,6 +20,17 @@ cnp.import_array()
 cdef extern from "pkv_half.h" nogil:
     float pkv_half_to_float(uint16_t bits)
     uint16_t pkv_float_to_half(float x)
+
+cdef extern from "pkv_variant.h" nogil:
+    # the variant contract (opencl/pkv_variant.h; pkv_simd.h defines its exp and tanh)
+    ctypedef struct pkv_band:   # the C struct may have more fields; Cython reads none
+        int64_t lo
+        int64_t hi
+    pkv_band PKV_ITEM_BAND(const int32_t* item)
+    int64_t pkv_band_lo(pkv_band band, int row)
+    int64_t pkv_band_hi(pkv_band band, int row)
+    float pkv_part_weight(float part_max, float m)
+    float pkv_output_scale(float m, float sum, float sink)
 
 cdef extern from "pkv_simd.h" nogil:
     ctypedef struct pkv_prefetch:
@@ -38,8 +49,8 @@ cdef extern from "pkv_simd.h" nogil:
                             const uint16_t* x, int nt, int n, pkv_prefetch* pf, int queries)
     void pkv_accumulate_i8(float* acc, const float* alpha, const float* p, int ld,
                            const int8_t* x, int nt, int n, pkv_prefetch* pf, int queries)
-    void pkv_softmax_page(float* s, int ld, int nq, int nq_padded, int nt, int64_t first_lo,
-                          int64_t first_hi, int group, float soft_cap, float* run_max,
+    void pkv_softmax_page(float* s, int ld, int nq, int nq_padded, int nt, pkv_band band,
+                          int64_t first_key, int group, float soft_cap, float* run_max,
                           float* run_sum, float* alpha)
 
 cdef extern from "pkv_block.h" nogil:
@@ -234,7 +245,7 @@ cdef void attend_item(const float[:, :, ::1] q,
     cdef int b = item[PKV_W_SEQ], h0 = item[PKV_W_KV_HEAD]
     cdef int row0 = item[PKV_W_ROW0], row1 = item[PKV_W_ROW1]
     cdef int key0 = item[PKV_W_KEY0], key1 = item[PKV_W_KEY1]
-    cdef int64_t band_lo = item[PKV_W_BAND_LO], band_hi = item[PKV_W_BAND_HI]
+    cdef pkv_band band = PKV_ITEM_BAND(item)
     cdef int D = q.shape[2], ps = k_pool.shape[2]
     cdef int group = q.shape[1] // k_pool.shape[1]
     cdef int nq = (row1 - row0) * group
@@ -302,8 +313,8 @@ cdef void attend_item(const float[:, :, ::1] q,
                         scores[qi * ps + t] = scores[qi * ps + t] * row_scales[t]
             # online softmax: logits become weights, zero outside each row's
             # band, and alphas rescale the accumulators
-            pkv_softmax_page(scores, ps, nq, nq4, nt, band_lo - first_key, band_hi - first_key,
-                             group, soft_cap, head_max, head_sum, alphas)
+            pkv_softmax_page(scores, ps, nq, nq4, nt, band, first_key, group, soft_cap,
+                             head_max, head_sum, alphas)
             if storage_t is int8_t:
                 row_scales = &v_scales[page, h0 + hh, t0]
                 for qi in range(nq):
@@ -387,7 +398,7 @@ cdef void attend_item_blocks(const float[:, :, ::1] q,
     cdef int b = item[PKV_W_SEQ], h0 = item[PKV_W_KV_HEAD]
     cdef int row0 = item[PKV_W_ROW0], row1 = item[PKV_W_ROW1]
     cdef int key0 = item[PKV_W_KEY0], key1 = item[PKV_W_KEY1]
-    cdef int64_t band_lo = item[PKV_W_BAND_LO], band_hi = item[PKV_W_BAND_HI]
+    cdef pkv_band band = PKV_ITEM_BAND(item)
     cdef int D = q.shape[2], group = q.shape[1] // k_pool.shape[1]
     cdef int nq = (row1 - row0) * group
     cdef int nq4 = padded_queries(nq), nqp = pkv_block_queries(nq)
@@ -454,8 +465,8 @@ cdef void attend_item_blocks(const float[:, :, ::1] q,
             during_sum = pkv_block_prefetch(k_next, next_nt, row_bytes)
             # the band of each query (row r's queries: r * group : (r + 1) * group)
             for x in range(row1 - row0):
-                lo = min(max(band_lo + x - blk0, 0), nt)
-                hi = min(max(band_hi + x - blk0, lo), nt)
+                lo = min(max(pkv_band_lo(band, x) - blk0, 0), nt)
+                hi = min(max(pkv_band_hi(band, x) - blk0, lo), nt)
                 for qi in range(x * group, (x + 1) * group):
                     lo_t[qi] = <int32_t>lo
                     hi_t[qi] = <int32_t>hi
@@ -576,8 +587,7 @@ cdef void merge_partials(const int32_t* items, int first, int last, int group,
     [slot, part_queries, D], ``run_max`` and ``run_sum`` [slot, part_queries]
     (an item that is not split passes its own as slot 0).  With ``sinks``
     (float32 [num_heads], else NULL), head ``h``'s denominator gains
-    ``exp(sinks[h])``; everything is rescaled to the larger of the logits'
-    max and the sink, so that no exponent is positive.  With a
+    ``exp(sinks[h])`` (``pkv_output_scale`` of the variant contract).  With a
     ``rotation_block`` (int8 rows), the output is rotated back.
     """
     cdef const int32_t* item = items + first * PKV_W_FIELDS
@@ -585,7 +595,7 @@ cdef void merge_partials(const int32_t* items, int first, int last, int group,
     cdef int nq = (row1 - row0) * group, nq4 = padded_queries(nq)
     cdef int x, qi, w, d, head
     cdef Py_ssize_t part
-    cdef float m, total, weight, sink
+    cdef float m, total, weight, inv
     cdef float* dst
     cdef const float* src
     for x in range(heads_per_item * nq4):
@@ -593,24 +603,22 @@ cdef void merge_partials(const int32_t* items, int first, int last, int group,
         if qi >= nq:
             continue        # a padding query
         head = (h0 + x // nq4) * group + qi % group
-        sink = sinks[head] if sinks != NULL else -INFINITY
-        m = sink
+        m = -INFINITY
         for w in range(first, last):
             part = max(items[w * PKV_W_FIELDS + PKV_W_PART], 0) * part_queries + x
             m = max(m, run_max[part])
         dst = &out[row0 + qi // group, head, 0]
         for d in range(D):
             dst[d] = 0.0
-        if m == -INFINITY:
-            continue        # no key at all (cannot happen for a causal query); output 0
-        total = expf(sink - m) if sinks != NULL else 0.0
+        total = 0.0
         for w in range(first, last):
             part = max(items[w * PKV_W_FIELDS + PKV_W_PART], 0) * part_queries + x
-            weight = expf(run_max[part] - m)
+            weight = pkv_part_weight(run_max[part], m)
             total = total + run_sum[part] * weight
             src = acc + part * D
             for d in range(D):
                 dst[d] = dst[d] + src[d] * weight
+        inv = pkv_output_scale(m, total, sinks[head] if sinks != NULL else -INFINITY)
         for d in range(D):
-            dst[d] = dst[d] / total
+            dst[d] = dst[d] * inv
         pkv_rotate(dst, D, rotation_block, rotation_scale)
