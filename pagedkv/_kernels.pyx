@@ -217,6 +217,18 @@ def aligned_empty(Py_ssize_t n):
 BLOCK_MIN_QUERIES = PKV_BLOCK_MIN_QUERIES
 
 
+cdef struct AttentionParams:
+    # The scalars of one paged_attention call, filled by name (a dict whose keys
+    # are these fields; pagedkv.backends.host) and passed down as one block.
+    int heads_per_item          # KV heads per work item (its KV_HEAD is the first)
+    int max_rows_per_item       # the most query rows of any item
+    float scale                 # the logits' scale, folded into the queries
+    float soft_cap              # c of c * tanh(x / c); 0: none
+    int rotation_block          # int8: the Hadamard block of the rows (0: none)
+    float rotation_scale        # 1 / sqrt(rotation_block)
+    int num_threads             # OpenMP threads (ignored in a build without OpenMP)
+
+
 cdef inline int padded_queries(int nq) noexcept nogil:
     return (nq + 3) // 4 * 4
 
@@ -225,11 +237,10 @@ cdef void attend_item(const float[:, :, ::1] q,
                       storage_t[:, :, :, ::1] k_pool, storage_t[:, :, :, ::1] v_pool,
                       const float[:, :, ::1] k_scales, const float[:, :, ::1] v_scales,
                       const int32_t[::1] page_indptr, const int32_t[::1] page_indices,
-                      const int32_t* item, int heads_per_item, float scale, float soft_cap,
-                      int rotation_block, float rotation_scale,
+                      const int32_t* item, const AttentionParams* params,
                       float* acc, float* run_max, float* run_sum, float* scratch,
                       const void** rows) noexcept nogil:
-    """One work item over KV heads ``h0 : h0 + heads_per_item``.
+    """One work item over KV heads ``h0 : h0 + heads_per_item`` (``params``).
 
     Leaves unnormalised ``acc`` [heads_per_item * nq4, D] and ``run_max``,
     ``run_sum`` [heads_per_item * nq4], head-major, where nq = rows * group
@@ -246,6 +257,9 @@ cdef void attend_item(const float[:, :, ::1] q,
     cdef int row0 = item[PKV_W_ROW0], row1 = item[PKV_W_ROW1]
     cdef int key0 = item[PKV_W_KEY0], key1 = item[PKV_W_KEY1]
     cdef pkv_band band = PKV_ITEM_BAND(item)
+    cdef int heads_per_item = params.heads_per_item, rotation_block = params.rotation_block
+    cdef float scale = params.scale, soft_cap = params.soft_cap
+    cdef float rotation_scale = params.rotation_scale
     cdef int D = q.shape[2], ps = k_pool.shape[2]
     cdef int group = q.shape[1] // k_pool.shape[1]
     cdef int nq = (row1 - row0) * group
@@ -269,8 +283,7 @@ cdef void attend_item(const float[:, :, ::1] q,
 
     if nq >= PKV_BLOCK_MIN_QUERIES:
         attend_item_blocks(q, k_pool, v_pool, k_scales, v_scales, page_indptr, page_indices,
-                           item, heads_per_item, scale, soft_cap, rotation_block,
-                           rotation_scale, acc, run_max, run_sum, scratch, rows)
+                           item, params, acc, run_max, run_sum, scratch, rows)
         return
 
     for x in range(heads_per_item * nq4):
@@ -382,8 +395,7 @@ cdef void attend_item_blocks(const float[:, :, ::1] q,
                              storage_t[:, :, :, ::1] k_pool, storage_t[:, :, :, ::1] v_pool,
                              const float[:, :, ::1] k_scales, const float[:, :, ::1] v_scales,
                              const int32_t[::1] page_indptr, const int32_t[::1] page_indices,
-                             const int32_t* item, int heads_per_item, float scale,
-                             float soft_cap, int rotation_block, float rotation_scale,
+                             const int32_t* item, const AttentionParams* params,
                              float* acc, float* run_max, float* run_sum, float* scratch,
                              const void** rows) noexcept nogil:
     """``attend_item`` for items of many queries: keys by blocks of PKV_BLOCK_KEYS.
@@ -399,6 +411,9 @@ cdef void attend_item_blocks(const float[:, :, ::1] q,
     cdef int row0 = item[PKV_W_ROW0], row1 = item[PKV_W_ROW1]
     cdef int key0 = item[PKV_W_KEY0], key1 = item[PKV_W_KEY1]
     cdef pkv_band band = PKV_ITEM_BAND(item)
+    cdef int heads_per_item = params.heads_per_item, rotation_block = params.rotation_block
+    cdef float scale = params.scale, soft_cap = params.soft_cap
+    cdef float rotation_scale = params.rotation_scale
     cdef int D = q.shape[2], group = q.shape[1] // k_pool.shape[1]
     cdef int nq = (row1 - row0) * group
     cdef int nq4 = padded_queries(nq), nqp = pkv_block_queries(nq)
@@ -490,9 +505,7 @@ def paged_attention(const float[:, :, ::1] q,
                     const float[:, :, ::1] k_scales, const float[:, :, ::1] v_scales,
                     const int32_t[::1] page_indptr, const int32_t[::1] page_indices,
                     const int32_t[:, ::1] items, const int32_t[::1] item_offsets,
-                    int heads_per_item, int max_rows_per_item, float scale, float soft_cap,
-                    const float[::1] sinks, int rotation_block, float rotation_scale,
-                    float[:, :, ::1] out, int num_threads):
+                    const float[::1] sinks, float[:, :, ::1] out, AttentionParams params):
     """Paged attention of a ragged batch over planned work items; see ``pagedkv.backends.host``.
 
     Parameters
@@ -505,25 +518,21 @@ def paged_attention(const float[:, :, ::1] q,
         CSR page table of the step's sequences.
     items : int32 [num_items, PKV_W_FIELDS]
         The work items (pkv_work_item.h); an item covers KV heads
-        ``KV_HEAD : KV_HEAD + heads_per_item``.
+        ``KV_HEAD : KV_HEAD + params["heads_per_item"]``.
     item_offsets : int32 [M + 1]
         Query block ``m`` owns items ``item_offsets[m]:item_offsets[m+1]``
         (more than one when its key range is split).
-    max_rows_per_item : int
-        The most query rows of any item.
-    scale : float
-    soft_cap : float
-        ``c`` of ``c * tanh(x / c)``; 0 for none.
     sinks : float32 [num_heads] or None
-    rotation_block : int
-        int8: the Hadamard block the rows are rotated by (0: none); the
-        queries are rotated the same way and the output back.
-    rotation_scale : float
-        ``1 / sqrt(rotation_block)``.
     out : float32 [T, num_heads, D]
-    num_threads : int
-        OpenMP threads (ignored in a build without OpenMP).
+    params : dict
+        The fields of ``AttentionParams`` (above), each by name: the
+        variant's scalars (``scale``, ``soft_cap``), the int8 rotation
+        (``rotation_block``: the queries are rotated like the stored rows,
+        the output back), the plan's ``heads_per_item`` and
+        ``max_rows_per_item``, and ``num_threads``.
     """
+    cdef int heads_per_item = params.heads_per_item, num_threads = params.num_threads
+    cdef int max_rows_per_item = params.max_rows_per_item
     cdef Py_ssize_t W = items.shape[0], M = item_offsets.shape[0] - 1
     cdef int D = q.shape[2], ps = k_pool.shape[2], group = q.shape[1] // k_pool.shape[1]
     cdef int nq_max = padded_queries(max_rows_per_item * group)
@@ -560,25 +569,23 @@ def paged_attention(const float[:, :, ::1] q,
             if slot < 0:
                 slot = num_parts + threadid()
             attend_item(q, k_pool, v_pool, k_scales, v_scales, page_indptr, page_indices,
-                        &items[w, 0], heads_per_item, scale, soft_cap, rotation_block,
-                        rotation_scale, &acc[slot, 0, 0], &run_max[slot, 0],
+                        &items[w, 0], &params, &acc[slot, 0, 0], &run_max[slot, 0],
                         &run_sum[slot, 0], &scratch[threadid(), 0],
                         <const void**>&rows[threadid(), 0])
             if items[w, PKV_W_PART] < 0:
-                merge_partials(&items[0, 0], w, w + 1, group, heads_per_item, sink_ptr,
-                               rotation_block, rotation_scale, &acc[slot, 0, 0],
-                               &run_max[slot, 0], &run_sum[slot, 0], part_queries, D, out)
+                merge_partials(&items[0, 0], w, w + 1, group, &params, sink_ptr,
+                               &acc[slot, 0, 0], &run_max[slot, 0], &run_sum[slot, 0],
+                               part_queries, D, out)
         for m in prange(M, schedule="static", num_threads=num_threads):
             if items[item_offsets[m], PKV_W_PART] >= 0:
                 merge_partials(&items[0, 0], item_offsets[m], item_offsets[m + 1], group,
-                               heads_per_item, sink_ptr, rotation_block, rotation_scale,
-                               &acc[0, 0, 0], &run_max[0, 0], &run_sum[0, 0], part_queries,
-                               D, out)
+                               &params, sink_ptr, &acc[0, 0, 0], &run_max[0, 0],
+                               &run_sum[0, 0], part_queries, D, out)
 
 
 cdef void merge_partials(const int32_t* items, int first, int last, int group,
-                         int heads_per_item, const float* sinks, int rotation_block,
-                         float rotation_scale, const float* acc, const float* run_max,
+                         const AttentionParams* params, const float* sinks,
+                         const float* acc, const float* run_max,
                          const float* run_sum, Py_ssize_t part_queries, int D,
                          float[:, :, ::1] out) noexcept nogil:
     """Combine items ``first:last`` (one query block) into ``out``.
@@ -590,6 +597,7 @@ cdef void merge_partials(const int32_t* items, int first, int last, int group,
     ``exp(sinks[h])`` (``pkv_output_scale`` of the variant contract).  With a
     ``rotation_block`` (int8 rows), the output is rotated back.
     """
+    cdef int heads_per_item = params.heads_per_item
     cdef const int32_t* item = items + first * PKV_W_FIELDS
     cdef int h0 = item[PKV_W_KV_HEAD], row0 = item[PKV_W_ROW0], row1 = item[PKV_W_ROW1]
     cdef int nq = (row1 - row0) * group, nq4 = padded_queries(nq)
@@ -621,4 +629,4 @@ cdef void merge_partials(const int32_t* items, int first, int last, int group,
         inv = pkv_output_scale(m, total, sinks[head] if sinks != NULL else -INFINITY)
         for d in range(D):
             dst[d] = dst[d] * inv
-        pkv_rotate(dst, D, rotation_block, rotation_scale)
+        pkv_rotate(dst, D, params.rotation_block, params.rotation_scale)

@@ -137,12 +137,16 @@ class HostBackend(Backend):
         q = self._host_f32(q)
         plan = tables.plan(self._plan, q.shape[1], spec.sliding_window)
         out = np.empty_like(q) if out is None else out
+        params = dict(heads_per_item=plan.heads_per_item, max_rows_per_item=plan.max_rows,
+                      scale=spec.scale, soft_cap=spec.logits_soft_cap or 0.0,
+                      rotation_block=self.storage.rotation_block,
+                      rotation_scale=self.storage.rotation_scale,
+                      num_threads=_fork_safe(plan.num_threads))
         _kernels.paged_attention(
-            q, self._k[layer], self._v[layer], self._k_scales[layer], self._v_scales[layer],
-            tables.page_indptr, tables.page_indices, plan.items, plan.item_offsets,
-            plan.heads_per_item, plan.max_rows, spec.scale, spec.logits_soft_cap or 0.0,
-            spec.sinks, self.storage.rotation_block, self.storage.rotation_scale, out,
-            _fork_safe(plan.num_threads))
+            q=q, k_pool=self._k[layer], v_pool=self._v[layer], k_scales=self._k_scales[layer],
+            v_scales=self._v_scales[layer], page_indptr=tables.page_indptr,
+            page_indices=tables.page_indices, items=plan.items, item_offsets=plan.item_offsets,
+            sinks=spec.sinks, out=out, params=params)
         return out
 
     def _plan(self, tables, num_heads, sliding_window):
