@@ -1,10 +1,11 @@
 """What one attention call computes besides its inputs: scale, window, soft cap, sinks.
 
 :class:`AttentionSpec` is validated once, by the facade, and travels down to
-the backends as one object: the planner turns ``sliding_window`` into each
-work item's visible key band, and the kernels apply ``scale``,
-``logits_soft_cap`` and ``sinks``.  A new variant is a field here, its check
-in :meth:`AttentionSpec.from_arguments`, and its use in the kernels.
+the backends as one object: the planner turns its :class:`Band`
+(``sliding_window``) into each work item's visible key band, and the kernels
+apply ``scale``, ``logits_soft_cap`` and ``sinks``.  A new variant is a field
+here, its check in :meth:`AttentionSpec.from_arguments`, and its use in the
+variant contract of the kernels (``opencl/pkv_variant.h``) or the planner.
 """
 import math
 import numbers
@@ -35,6 +36,22 @@ def _positive_float32(name, value):
         raise ValueError(f"{name}: expected a positive float that is finite and nonzero in "
                          f"float32, got {value!r}")
     return float(single)
+
+
+@dataclass(frozen=True)
+class Band:
+    """Which key positions the token at position ``p`` sees, besides ``j <= p``.
+
+    What the planner (:func:`pagedkv.backends.schedule.plan_attention`) turns
+    into each work item's band fields (``opencl/pkv_variant.h``), and the key
+    of a step's cached plans (hashable).
+
+    Attributes
+    ----------
+    sliding_window : int or None
+        ``W``: no position before ``p - W + 1``.
+    """
+    sliding_window: Optional[int] = None
 
 
 @dataclass(frozen=True, eq=False)
@@ -119,6 +136,13 @@ class AttentionSpec:
             raise ValueError(f"sinks: expected finite float32 values, got {bad!r}")
         single.setflags(write=False)
         return single
+
+    @property
+    def band(self):
+        """The spec's :class:`Band`, or None for plain causal attention."""
+        if self.sliding_window is None:
+            return None
+        return Band(self.sliding_window)
 
     def with_window(self, window):
         """This spec with ``sliding_window`` narrowed to ``window`` (None: unchanged)."""

@@ -69,7 +69,7 @@ class _Plan:
         queries per item (at least one slot; a buffer cannot be empty).
     """
 
-    def __init__(self, backend, tables, num_heads, sliding_window):
+    def __init__(self, backend, tables, num_heads, band):
         layout = backend.layout
         full_group = num_heads // backend.num_kv_heads
         self.group = max(g for g in range(1, min(full_group, layout.max_queries) + 1)
@@ -80,7 +80,7 @@ class _Plan:
             tables.query_start, tables.seq_lens, num_kv_heads=self.num_groups,
             page_size=backend.page_size, rows_per_block=max(1, layout.max_queries // self.group),
             target_items=_ITEMS_PER_COMPUTE_UNIT * backend.device.max_compute_units,
-            min_part_tokens=_MIN_PART_TOKENS, sliding_window=sliding_window,
+            min_part_tokens=_MIN_PART_TOKENS, band=band,
             max_part_keys=lambda rows: layout.max_item_keys(rows * self.group),
             max_parts=lambda rows: layout.max_parts(rows * self.group))
         counts = np.diff(item_offsets)
@@ -464,13 +464,13 @@ class OpenCLBackend(Backend):
             for queue in {x.queue for x in native if x.queue is not None and x.queue != self.queue}:
                 self._cl.enqueue_barrier(queue, wait_for=[done])
 
-    def _plan(self, tables, num_heads, sliding_window):
-        return _Plan(self, tables, num_heads, sliding_window)
+    def _plan(self, tables, num_heads, band):
+        return _Plan(self, tables, num_heads, band)
 
     def attention(self, layer, tables, q, spec, out=None):
         self._check_process()
         native = self.is_native(q)
-        plan = tables.plan(self._plan, q.shape[1], spec.sliding_window)
+        plan = tables.plan(self._plan, q.shape[1], spec.band)
         result = out
         if plan.num_items == 0:   # no new tokens: nothing to launch (and no empty buffers)
             self._flush()

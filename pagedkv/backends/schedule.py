@@ -26,7 +26,7 @@ ITEM = work_item_fields()
 
 
 def plan_attention(query_start, seq_lens, *, num_kv_heads, page_size, rows_per_block,
-                   target_items, min_part_tokens, heads_per_item=1, sliding_window=None,
+                   target_items, min_part_tokens, heads_per_item=1, band=None,
                    max_part_keys=None, max_parts=None):
     """Plan the work items of one step.
 
@@ -43,9 +43,10 @@ def plan_attention(query_start, seq_lens, *, num_kv_heads, page_size, rows_per_b
     heads_per_item : int, default 1
         KV heads per item (a divisor of ``num_kv_heads``): an item's
         ``KV_HEAD`` is then the first of ``heads_per_item`` heads.
-    sliding_window : int, optional
-        The row at position ``p`` sees positions ``max(0, p - W + 1) .. p``;
-        default: all of ``0 .. p`` (causal).
+    band : pagedkv.attention_spec.Band, optional
+        Which positions each row sees besides causality: with
+        ``band.sliding_window = W``, the row at position ``p`` sees positions
+        ``max(0, p - W + 1) .. p``; default (None): all of ``0 .. p``.
     max_part_keys : callable, optional
         ``max_part_keys(rows)``: for an array of block row counts, the most
         keys one item of such a block may cover; longer key ranges are split
@@ -74,6 +75,7 @@ def plan_attention(query_start, seq_lens, *, num_kv_heads, page_size, rows_per_b
     first_pos = seq_lens[seq] - (query_start[seq + 1] - row0)
     key_end = first_pos + rows                   # one past the last row's position
     band_hi = first_pos + 1
+    sliding_window = None if band is None else band.sliding_window
     if sliding_window is None:
         band_lo = -rows                          # below every key of every row: no bound
     else:
