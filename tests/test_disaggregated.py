@@ -5,6 +5,8 @@ Ray starts once for the module, and nothing here runs per backend or OpenCL
 device: the actors run the host backend (the K/V's path between them does
 not depend on it; export and import on every backend are tests/test_transfer.py's).
 """
+import os
+
 import pytest
 
 from test_model_demo import run, tiny_llama  # noqa: F401  (the tiny GGUF fixture)
@@ -14,9 +16,17 @@ ray = pytest.importorskip("ray")
 
 
 @pytest.fixture(scope="module")
-def local_ray():
+def local_ray(tmp_path_factory):
     require("gguf", "tokenizers", "rich")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    # Ray puts the driver's working directory first on its workers' sys.path. From
+    # the repository root that is the unbuilt source tree, which would shadow the
+    # installed pagedkv that this process imports; start Ray from elsewhere.
+    here = os.getcwd()
+    os.chdir(tmp_path_factory.mktemp("ray"))
+    try:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    finally:
+        os.chdir(here)
     yield
     ray.shutdown()
 
