@@ -108,7 +108,7 @@ def test_variants_over_storage_dtypes(backend, dtype, name):
     ragged_steps(h, **variants(NUM_HEADS)[name])
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float16", "int8"])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "int8"])
 def test_chunk_with_alibi_at_chunk_boundaries_over_storage_dtypes(backend, dtype):
     h = make(backend, dtype=dtype, page_size=16)
     chunk_steps(h, 21, alibi_slopes=random_slopes(NUM_HEADS), sliding_window=30,
@@ -143,7 +143,7 @@ def test_split_k_long_context_with_alibi(backend):
 
 
 @pytest.mark.parametrize("granularity", ["page", "position"])
-@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 def test_positions_outside_every_chunk_are_never_read(backend, dtype, granularity):
     """NaN K/V in the earlier positions no chunk of the step reaches: whole pages,
     or every such position (also those sharing a page with visible ones)."""
@@ -233,7 +233,6 @@ def test_alibi_is_added_after_the_soft_cap(backend):
     np.testing.assert_allclose(out, after, **TOLERANCE["float32"])
 
 
-@pytest.mark.slow
 def test_alibi_keeps_its_precision_100k_positions_in(backend):
     # the distance j - p is an integer: near keys of a query at position ~100k get
     # their small bias to float32 precision (slope * j - slope * p in float32 would
