@@ -40,33 +40,40 @@ typedef int64_t pkv_pos;
  * The band fields of a work item, which the planner
  * (pagedkv/backends/schedule.py) fills and pkv_work_item.h appends to the
  * item's columns (one line, X(NAME) per field, so that Python can read it):
- * row ROW0 + i of the item sits at position BAND_HI + i - 1 and sees the key
- * positions [BAND_LO + i, BAND_HI + i).  The item's key range [KEY0, KEY1)
- * covers the bands of all its rows. */
-#define PKV_BAND_FIELDS(X) X(BAND_LO) X(BAND_HI)
+ * row ROW0 + i of the item sits at position p = BAND_HI + i - 1 and sees the
+ * key positions [BAND_LO + i, BAND_HI + i), and with BAND_CHUNK = C > 0
+ * (attention_chunk_size) none before C * floor(p / C), its chunk's start.
+ * The item's key range [KEY0, KEY1) covers the bands of all its rows. */
+#define PKV_BAND_FIELDS(X) X(BAND_LO) X(BAND_HI) X(BAND_CHUNK)
 
 typedef struct {
-    pkv_pos lo, hi;
+    pkv_pos lo, hi, chunk;
 } pkv_band;
 
-PKV_VARIANT_FN pkv_band pkv_make_band(pkv_pos lo, pkv_pos hi) {
+PKV_VARIANT_FN pkv_band pkv_make_band(pkv_pos lo, pkv_pos hi, pkv_pos chunk) {
     pkv_band band;
     band.lo = lo;
     band.hi = hi;
+    band.chunk = chunk;
     return band;
 }
 
 /* The band of work item `item` (a pointer to its columns, any address space). */
-#define PKV_ITEM_BAND(item) pkv_make_band((item)[PKV_W_BAND_LO], (item)[PKV_W_BAND_HI])
+#define PKV_ITEM_BAND(item) \
+    pkv_make_band((item)[PKV_W_BAND_LO], (item)[PKV_W_BAND_HI], (item)[PKV_W_BAND_CHUNK])
 
 /* The position of the item's row `row` (0 for ROW0). */
 PKV_VARIANT_FN pkv_pos pkv_band_position(pkv_band band, int row) {
     return band.hi + row - 1;
 }
 
-/* The first key position row `row` sees. */
+/* The first key position row `row` sees (positions are >= 0, so that p % C
+ * is p's offset in its chunk). */
 PKV_VARIANT_FN pkv_pos pkv_band_lo(pkv_band band, int row) {
-    return band.lo + row;
+    const pkv_pos lo = band.lo + row;
+    if (band.chunk <= 0) return lo;
+    const pkv_pos p = band.hi + row - 1, start = p - p % band.chunk;
+    return start > lo ? start : lo;
 }
 
 /* One past the last key position row `row` sees. */
