@@ -372,9 +372,27 @@ def test_layout_fits_small_devices():
 
     for head_dim in (8, 64, 128, 256):
         layout = KernelLayout(Tiny, head_dim)
-        assert layout.work_group_size <= 32 and layout.local_bytes <= 2048
+        assert layout.work_group_size <= 32 and layout.local_memory == 2048
         assert head_dim % layout.vector_width == 0
         assert layout.max_queries % layout.query_tile == 0
+
+
+@needs_opencl
+@pytest.mark.parametrize("budget", [6144, 16384])
+def test_kernel_local_memory_fits_the_layout_budget(cl_device, budget):
+    # the driver's count of the built kernel, not a formula, decides: a small
+    # budget gets a smaller layout, with the same results
+    options = {"layout": dict(kind="gpu", local_memory=budget)}
+    cache = opencl_cache(cl_device, 2, 32, backend_options=options)
+    backend = cache._backend
+    assert backend._k_attention.local_memory(backend.device) <= budget
+    default = opencl_cache(cl_device, 2, 32, backend_options=layout_options("gpu"))._backend
+    assert backend.layout.chunk * backend.layout.max_queries <= \
+        default.layout.chunk * default.layout.max_queries
+    host_out, _ = run_workload("host", "float16")
+    ocl_out, _ = run_workload("opencl", "float16", device=cl_device, backend_options=options)
+    for expected, got in zip(host_out, ocl_out):
+        np.testing.assert_allclose(got, expected, **TOLERANCE["float32"])
 
 
 def test_layout_kind_follows_the_gpu_bit():

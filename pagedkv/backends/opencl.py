@@ -248,12 +248,22 @@ class OpenCLBackend(Backend):
         return dict(layout)
 
     def _build_kernels(self, overrides):
-        """Build (or fetch from the cache) both programs and keep their kernels."""
+        """Build (or fetch from the cache) both programs and keep their kernels.
+
+        The attention kernel's local memory is what the driver counts for the
+        built kernel: a layout that takes more than its budget is rebuilt
+        smaller (``KernelLayout.smaller_for_local_memory``)."""
+        first_chunk = None
         while True:
             self.layout = KernelLayout(self.device, self.head_dim, self.storage, **overrides)
+            first_chunk = self.layout.chunk if first_chunk is None else first_chunk
             attention = build_program(self.context, "attention.cl", self.layout.options())
             self._k_attention = attention["paged_attention"]
             self._k_merge = attention["merge_partials"]
+            used = self._k_attention.local_memory(self.device)
+            if used > self.layout.local_memory:
+                overrides = self.layout.smaller_for_local_memory(overrides, used, first_chunk)
+                continue
             # a register-hungry kernel may allow fewer work-items than the device does
             fits = self._k_attention.work_group_limit(self.device)
             merge_fits = self._k_merge.work_group_limit(self.device)
