@@ -50,6 +50,9 @@
  *   PKV_STAGE_K, PKV_STAGE_V  1: read K (V) rows from a local copy
  *   PKV_SW      softmax vector width, 1 or 8
  *   PKV_MERGE_WG  work-group size of merge_partials
+ *   PKV_COUNT_LOOPS  1: each work-item writes the loop iterations it ran
+ *                 (those of loops that are not unrolled) to loop_counts, for
+ *                 tests of the bound below; 0 (default): loop_counts is unread
  *
  * No loop's trip count grows with the context length: the planner cuts key
  * ranges into parts of at most KernelLayout.max_item_keys keys, so that a
@@ -71,6 +74,16 @@ PKV_DEFINE_TANH(inline, pkv_tanh, float, pkv_exp, fabs, copysign)
 #endif
 
 
+#ifndef PKV_COUNT_LOOPS
+#define PKV_COUNT_LOOPS 0
+#endif
+/* one iteration of a loop that is not unrolled (PKV_COUNT_LOOPS builds) */
+#if PKV_COUNT_LOOPS
+#define PKV_LOOP() (++loops)
+#else
+#define PKV_LOOP() ((void)0)
+#endif
+
 #define PKV_COL_BLOCKS (PKV_DV / PKV_CB)
 #define PKV_OUT_TILES ((PKV_NQ / PKV_QB) * PKV_COL_BLOCKS)
 #define PKV_OUT_PER_WI PKV_CEIL(PKV_OUT_TILES, PKV_WG)
@@ -80,9 +93,11 @@ PKV_DEFINE_TANH(inline, pkv_tanh, float, pkv_exp, fabs, copysign)
 #if PKV_OUT_PER_WI <= 8
 #define PKV_OUT_LOOP PKV_OUT_PER_WI
 #define PKV_OUT_UNROLL PKV_UNROLL
+#define PKV_OUT_ITERATION() ((void)0)
 #else
 #define PKV_OUT_LOOP PKV_CEIL(out_tiles, PKV_WG)
 #define PKV_OUT_UNROLL
+#define PKV_OUT_ITERATION() PKV_LOOP()
 #endif
 
 /* full unrolling keeps register tiles in registers */
@@ -185,7 +200,9 @@ void paged_attention(__global const float* q,              /* [T, num_heads, D] 
                      __global float* out,                  /* [T, num_heads, D] */
                      __global float* part_acc,             /* [P, PKV_NQ, D] */
                      __global float* part_max,             /* [P, PKV_NQ] */
-                     __global float* part_sum) {
+                     __global float* part_sum,
+                     __global int* loop_counts) {          /* PKV_COUNT_LOOPS: [work-items] */
+    int loops = 0;
     /* scores, then softmax weights, per query */
     __local pkv_svec scores_v[PKV_NQ * PKV_CHUNK / PKV_SW];
     __local float* scores = (__local float*)scores_v;
@@ -239,6 +256,7 @@ void paged_attention(__global const float* q,              /* [T, num_heads, D] 
     const long new_pos0 = fused ? (long)seq_lens[b] - (new_row1 - new_row0) : 0;
 
     for (int k = 0; k < PKV_CEIL(nq, PKV_WG); ++k) {
+        PKV_LOOP();
         const int qi = lid + k * PKV_WG;
         if (qi < nq) {
             run_max[qi] = -INFINITY;
@@ -247,13 +265,16 @@ void paged_attention(__global const float* q,              /* [T, num_heads, D] 
     }
     pkv_vec acc[PKV_OUT_PER_WI][PKV_QB][PKV_CB];
     PKV_OUT_UNROLL
-    for (int k = 0; k < PKV_OUT_PER_WI; ++k)
+    for (int k = 0; k < PKV_OUT_PER_WI; ++k) {
+        PKV_OUT_ITERATION();
         PKV_UNROLL
         for (int j = 0; j < PKV_QB; ++j)
             PKV_UNROLL
             for (int c = 0; c < PKV_CB; ++c) acc[k][j][c] = 0.0f;
+    }
 
     for (int c0 = key0; c0 < key1; c0 += PKV_CHUNK) {
+        PKV_LOOP();
         const int n_keys = PKV_MIN(PKV_CHUNK, key1 - c0);
         const int key_blocks = PKV_CEIL(n_keys, PKV_TB);
         const int n_rows = key_blocks * PKV_TB;     /* whole tiles: n_keys rounded up */
@@ -263,6 +284,7 @@ void paged_attention(__global const float* q,              /* [T, num_heads, D] 
               corrupt table) is masked; keys past n_keys point at row 0 so that
               whole tiles load in bounds. */
         for (int k = 0; k < PKV_CEIL(PKV_CHUNK, PKV_WG); ++k) {
+            PKV_LOOP();
             const int t = lid + k * PKV_WG;
             if (t < PKV_CHUNK) {
                 ulong row = 0;
@@ -285,6 +307,7 @@ void paged_attention(__global const float* q,              /* [T, num_heads, D] 
 #if PKV_STAGE_K || PKV_STAGE_V
         /* copy the rows as floats; PKV_SPLIT work-items share a row */
         for (int k = 0; k < PKV_CEIL(n_rows * PKV_SPLIT, PKV_WG); ++k) {
+            PKV_LOOP();
             const int u = lid + k * PKV_WG;
             if (u < n_rows * PKV_SPLIT) {
                 const int t = u / PKV_SPLIT, d0 = (u % PKV_SPLIT) * PKV_SEGMENT;
@@ -339,6 +362,7 @@ void paged_attention(__global const float* q,              /* [T, num_heads, D] 
         /* 1. logits of tiles of PKV_TB keys x PKV_QB queries; keys outside a
               query's band get -inf.  Queries past nq repeat the last one. */
         for (int k = 0; k < PKV_CEIL(score_tiles, PKV_WG); ++k) {
+            PKV_LOOP();
             const int tile = lid + k * PKV_WG;
             if (tile < score_tiles) {
                 const int qb = tile / key_blocks, t0 = (tile % key_blocks) * PKV_TB;
@@ -361,6 +385,7 @@ void paged_attention(__global const float* q,              /* [T, num_heads, D] 
                     PKV_UNROLL
                     for (int j = 0; j < PKV_QB; ++j) dot[i][j] = 0.0f;
                 for (int d = 0; d < PKV_DV; ++d) {
+                    PKV_LOOP();
                     pkv_vec kv[PKV_TB];
                     PKV_UNROLL
                     for (int i = 0; i < PKV_TB; ++i) kv[i] = PKV_K_VEC(kr[i], d);
@@ -401,6 +426,7 @@ void paged_attention(__global const float* q,              /* [T, num_heads, D] 
               Keys outside the query's band become weight 0 (step 3 reads whole
               tiles). */
         for (int k = 0; k < PKV_CEIL(nq, PKV_WG); ++k) {
+            PKV_LOOP();
             const int qi = lid + k * PKV_WG;
             if (qi < nq) {
                 __local pkv_svec* s = scores_v + qi * (PKV_CHUNK / PKV_SW);
@@ -411,21 +437,27 @@ void paged_attention(__global const float* q,              /* [T, num_heads, D] 
                 const int n_vec = PKV_CEIL(n_keys, PKV_SW);
                 /* lanes past n_keys hold no logit: zero them, so that no lane the
                    vector loads below read is uninitialised */
-                for (int t = n_keys; t < n_vec * PKV_SW; ++t) scores[qi * PKV_CHUNK + t] = 0.0f;
+                for (int t = n_keys; t < n_vec * PKV_SW; ++t) {
+                    PKV_LOOP();
+                    scores[qi * PKV_CHUNK + t] = 0.0f;
+                }
                 if (soft_cap > 0.0f)   /* the visible logits transformed, PKV_SW at once */
                     for (int v = 0; v < n_vec; ++v) {
+                        PKV_LOOP();
                         const pkv_svec x = s[v];
                         s[v] = x == (pkv_svec)(-INFINITY) ? x : pkv_logit_s(x, soft_cap, inverse_cap);
                     }
                 const float m_old = run_max[qi];
                 pkv_svec m_vec = m_old;
                 for (int v = 0; v < n_vec; ++v) {
+                    PKV_LOOP();
                     const pkv_sivec lane = PKV_SLANES + v * PKV_SW;
                     m_vec = pkv_max_step_s(m_vec, s[v], (lane >= v_lo) & (lane < v_hi));
                 }
                 const float m_new = pkv_hmax(m_vec);
                 pkv_svec total = 0.0f;
                 for (int v = 0; v < n_vec; ++v) {
+                    PKV_LOOP();
                     const pkv_sivec lane = PKV_SLANES + v * PKV_SW;
                     const pkv_svec p = pkv_weight_s(s[v], (pkv_svec)(m_new),
                                                     (lane >= v_lo) & (lane < v_hi));
@@ -446,6 +478,7 @@ void paged_attention(__global const float* q,              /* [T, num_heads, D] 
         /* 3. acc = acc * alpha + sum_t p_t V_t over tiles of PKV_QB queries x PKV_CB vectors */
         PKV_OUT_UNROLL
         for (int k = 0; k < PKV_OUT_LOOP; ++k) {
+            PKV_OUT_ITERATION();
             const int tile = lid + k * PKV_WG;
             if (tile < out_tiles) {
                 const int qb = tile / PKV_COL_BLOCKS, v0 = (tile % PKV_COL_BLOCKS) * PKV_CB;
@@ -463,6 +496,7 @@ void paged_attention(__global const float* q,              /* [T, num_heads, D] 
                     for (int c = 0; c < PKV_CB; ++c) a[j][c] = acc[k][j][c] * alpha;
                 }
                 for (int t = t_begin; t < t_end; ++t) {
+                    PKV_LOOP();
                     const pkv_v_row vr = PKV_V_ROW(t);
                     pkv_vec vv[PKV_CB];
                     PKV_UNROLL
@@ -485,6 +519,7 @@ void paged_attention(__global const float* q,              /* [T, num_heads, D] 
 
     PKV_OUT_UNROLL
     for (int k = 0; k < PKV_OUT_LOOP; ++k) {
+        PKV_OUT_ITERATION();
         const int tile = lid + k * PKV_WG;
         if (tile < out_tiles) {
             const int qb = tile / PKV_COL_BLOCKS, v0 = (tile % PKV_COL_BLOCKS) * PKV_CB;
@@ -506,12 +541,14 @@ void paged_attention(__global const float* q,              /* [T, num_heads, D] 
     }
     if (part >= 0)
         for (int k = 0; k < PKV_CEIL(nq, PKV_WG); ++k) {
+            PKV_LOOP();
             const int qi = lid + k * PKV_WG;
             if (qi < nq) {
                 part_max[(size_t)part * PKV_NQ + qi] = run_max[qi];
                 part_sum[(size_t)part * PKV_NQ + qi] = run_sum[qi];
             }
         }
+    if (PKV_COUNT_LOOPS) loop_counts[get_global_id(0)] = loops;
 }
 
 /* Combine the parts of each split (row block, head group), add the sinks and
@@ -526,20 +563,27 @@ void merge_partials(__global const int* items, __global const int* seg_items,
                     const int group, const int num_groups,
                     __global const float* sinks,       /* [num_heads] */
                     const int has_sinks,
-                    __global float* out) {             /* [T, num_heads, D] */
+                    __global float* out,               /* [T, num_heads, D] */
+                    __global int* loop_counts) {       /* PKV_COUNT_LOOPS: [work-items] */
+    int loops = 0;
     const int s = get_group_id(0), lid = get_local_id(0);
     __global const int* item = items + (size_t)seg_items[s] * PKV_W_FIELDS;
     const int h = item[PKV_W_KV_HEAD], row0 = item[PKV_W_ROW0], row1 = item[PKV_W_ROW1];
     const int nq = (row1 - row0) * group, num_heads = num_groups * group;
     const int first = seg_parts[s], last = seg_parts[s + 1];
     for (int k = 0; k < PKV_CEIL(nq * PKV_DV, PKV_MERGE_WG); ++k) {
+        PKV_LOOP();
         const int e = lid + k * PKV_MERGE_WG, qi = e / PKV_DV, vec = e % PKV_DV;
         if (qi < nq) {
             float m = -INFINITY;
-            for (int w = first; w < last; ++w) m = PKV_MAX(m, part_max[(size_t)w * PKV_NQ + qi]);
+            for (int w = first; w < last; ++w) {
+                PKV_LOOP();
+                m = PKV_MAX(m, part_max[(size_t)w * PKV_NQ + qi]);
+            }
             pkv_vec acc = 0.0f;
             float total = 0.0f;
             for (int w = first; w < last; ++w) {
+                PKV_LOOP();
                 const float pm = part_max[(size_t)w * PKV_NQ + qi];
                 const float weight = pkv_part_weight(pm, m);
                 total += part_sum[(size_t)w * PKV_NQ + qi] * weight;
@@ -550,4 +594,5 @@ void merge_partials(__global const int* items, __global const int* seg_items,
             PKV_VSTORE_F(acc * inv, ((size_t)r * num_heads + head) * PKV_DV + vec, out);
         }
     }
+    if (PKV_COUNT_LOOPS) loop_counts[get_global_id(0)] = loops;
 }

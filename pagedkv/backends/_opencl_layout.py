@@ -69,12 +69,17 @@ class KernelLayout:
         half the device's).  The backend checks the built kernel's own count
         (``CL_KERNEL_LOCAL_MEM_SIZE``) against it and, while it is over,
         builds the next layout of :meth:`smaller_for_local_memory`.
+    count_loops : bool
+        Build the kernels with ``PKV_COUNT_LOOPS``: each attention call then
+        leaves every work-item's loop iterations in the backend's
+        ``last_loop_counts`` (tests of the bound below).  Default False.
     """
 
     #: The attributes ``**overrides`` may force.
     OVERRIDABLE = ("kind", "work_group_size", "vector_width", "column_tile", "query_tile",
                    "key_tile", "chunk", "max_queries", "stage_k", "stage_v",
-                   "merge_work_group_size", "max_work_item_iterations", "local_memory")
+                   "merge_work_group_size", "max_work_item_iterations", "local_memory",
+                   "count_loops")
 
     def __init__(self, device, head_dim, storage=None, **overrides):
         import pyopencl as cl
@@ -131,6 +136,8 @@ class KernelLayout:
             raise ValueError(f"head_dim: the OpenCL attention kernel holds at most {largest} "
                              f"values per head on {device.name.strip()}, got {head_dim}")
         self.local_memory = int(overrides.get("local_memory", device.local_mem_size // 2))
+        # a diagnostic build: the kernels report each work-item's loop iterations
+        self.count_loops = bool(overrides.get("count_loops", False))
         self._device_name = device.name.strip()
 
     def smaller_for_local_memory(self, overrides, used, first_chunk):
@@ -186,7 +193,8 @@ class KernelLayout:
         per_chunk = (1 + self._per_item(self.chunk)
                      + (self._per_item(self.chunk * self.split) if staged else 0)
                      + self._per_item(query_blocks * (self.chunk // self.key_tile)) * (1 + vectors)
-                     + self._per_item(nq) * (self.softmax_width + 2 * (self.chunk // self.softmax_width) + 1)
+                     # per query: zeroing the last vector's lanes, the soft cap, max, weights
+                     + self._per_item(nq) * (self.softmax_width + 3 * (self.chunk // self.softmax_width) + 1)
                      + out_loop * (out_head + self.chunk))
         prologue = self._per_item(nq) + (out_per_item if out_per_item > 8 else 0)
         epilogue = out_loop + self._per_item(nq)
@@ -250,6 +258,7 @@ class KernelLayout:
             f"-DPKV_STAGE_K={int(self.stage_k)}", f"-DPKV_STAGE_V={int(self.stage_v)}",
             f"-DPKV_SPLIT={self.split}", f"-DPKV_SW={self.softmax_width}",
             f"-DPKV_MERGE_WG={self.merge_work_group_size}",
+            f"-DPKV_COUNT_LOOPS={int(self.count_loops)}",
             # -cl-mad-enable only: never -cl-fast-relaxed-math or -cl-finite-math-only.
             # The kernels use -INFINITY as the "no key yet" max and mask with it,
             # which finite-math lets a compiler assume away (Intel's then warns

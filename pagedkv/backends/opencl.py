@@ -209,6 +209,9 @@ class OpenCLBackend(Backend):
         # buffers cannot be empty: what a kernel gets for sinks or scales it does not use
         self._placeholder = self._upload(np.zeros(1, np.float32))
         self._last_events = None
+        #: count_loops layouts: (attention, merge) loop iterations of each work-item
+        #: of the last attention call (int32 arrays; merge None when it ran none)
+        self.last_loop_counts = None
         self._pending = None   # a _PendingStore
         self._work = {}        # name -> reusable buffer (_work_buffer)
         try:
@@ -524,6 +527,11 @@ class OpenCLBackend(Backend):
         k_scales, v_scales = self._scales(layer)
         store = self._fused_store_args(fused)
         num_groups = plan.num_items + store.pop("num_groups")
+        mwg = self.layout.merge_work_group_size
+        counting = self.layout.count_loops
+        loop_counts = self._zeros(4 * num_groups * wg) if counting else self._placeholder
+        merge_counts = self._zeros(4 * max(plan.num_segments, 1) * mwg) if counting \
+            else self._placeholder
         events = [self._k_attention(
             self.queue, (num_groups * wg,), (wg,), wait_for=q_wait,
             q=qd, k_pool=self._k[layer], v_pool=self._v[layer], k_scales=k_scales,
@@ -534,18 +542,25 @@ class OpenCLBackend(Backend):
             num_groups=plan.num_groups, sub_groups=plan.sub_groups, page_size=self.page_size,
             num_pages=self.layer_pages[layer], nnz=len(tables.page_indices), scale=spec.scale,
             soft_cap=spec.logits_soft_cap or 0.0, sinks=sinks, has_sinks=spec.sinks is not None,
-            out=out_d, part_acc=part_acc, part_max=part_max, part_sum=part_sum)]
+            out=out_d, part_acc=part_acc, part_max=part_max, part_sum=part_sum,
+            loop_counts=loop_counts)]
         if plan.num_segments:
-            mwg = self.layout.merge_work_group_size
             events.append(self._k_merge(
                 self.queue, (plan.num_segments * mwg,), (mwg,),
                 items=plan.items, seg_items=plan.seg_items, seg_parts=plan.seg_parts,
                 part_acc=part_acc, part_max=part_max, part_sum=part_sum, group=plan.group,
                 num_groups=plan.num_groups, sinks=sinks, has_sinks=spec.sinks is not None,
-                out=out_d))
+                out=out_d, loop_counts=merge_counts))
         if self.storage.rotation_block:   # the output, back from the rotated basis
             events.append(self._rotate(out_d, rows))
         self._last_events = events
+        if counting:
+            counts = [np.empty(num_groups * wg, np.int32),
+                      np.empty(plan.num_segments * mwg, np.int32) if plan.num_segments else None]
+            self._cl.enqueue_copy(self.queue, counts[0], loop_counts)
+            if counts[1] is not None:
+                self._cl.enqueue_copy(self.queue, counts[1], merge_counts)
+            self.last_loop_counts = tuple(counts)
         if native:
             out_d.add_event(events[-1])
             self._hand_back(q, event=events[0])
