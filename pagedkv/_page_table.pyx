@@ -436,7 +436,10 @@ cdef class PageTables:
         """ValueError unless truncating to ``new_len`` keeps what windowed queries need."""
         cdef PkvSequence* seq = self.find(seq_id)
         cdef int64_t held_from = seq.window_released * self.page_size
-        if self.windowed and 0 < new_len < seq.length and new_len < held_from + self.window - 1:
+        # a query at new_len (the first after the rollback) sees from new_len - window + 1;
+        # only positions given back (before held_from) that it would see are missing
+        if self.windowed and 0 < new_len < seq.length and \
+                max(new_len - self.window + 1, <int64_t>0) < held_from:
             raise ValueError(
                 f"new_len: the windowed layers gave back this sequence's K/V before position "
                 f"{held_from}, and a query at position {new_len} would see from position "

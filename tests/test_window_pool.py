@@ -157,6 +157,34 @@ def test_restore_past_what_the_window_kept_is_refused(backend):
     h.check_contents()
 
 
+def test_a_sequence_shorter_than_the_window_rolls_back_anywhere(backend):
+    # (issue 22, item 2: a sequence of 100 tokens under a window of 512 could not
+    # be truncated to 99: nothing was given back, yet the check said so)
+    h = make(backend, windows=(512, None), num_pages=64)
+    s = h.add()
+    h.step([s], 100)
+    h.truncate(s, 99)
+    checkpoint = h.cache.checkpoint(s)
+    h.step([s], 3)
+    h.restore(checkpoint)
+    h.truncate(s, 37)
+    h.step([s], 5)
+    h.check_contents()
+
+
+def test_a_window_beyond_any_length_acts_as_full_attention(backend):
+    # (issue 22, item 8: a window of 2**31 - 1 refused every truncate)
+    h = make(backend, windows=(None, 2**31 - 1))
+    s = h.add()
+    h.step([s], 30)
+    for _ in range(5):
+        h.step([s], 1)
+    assert h.cache.window_page_count(s) == h.cache.page_count(s)   # nothing given back
+    h.truncate(s, 3)
+    h.step([s], 2)
+    h.check_contents()
+
+
 @pytest.mark.parametrize("draft", [1, 3, 5])
 def test_a_rollback_margin_keeps_room_for_speculative_decoding(backend, draft):
     """With window_rollback_tokens = k + 1, a step of k draft tokens plus one can be
