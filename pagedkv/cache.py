@@ -81,12 +81,16 @@ class PagedKVCache:
         default deterministic page hash.  Hits are confirmed by comparing token
         ids, so even a constant function returns no wrong KV.
     layer_windows : sequence of (int or None), shape [num_layers], optional
+        A list, tuple or 1-d ndarray.
         ``W`` makes a layer a sliding-window layer: its ``attention`` uses
         ``sliding_window=W`` (or a smaller one passed to it), and its K/V live
         in a second pool whose pages go back as soon as no later query can see
         them, so such a layer holds about ``(W + new tokens of the step) /
         page_size + 2`` pages per sequence, whatever its length.  ``None``
-        (the default for every layer) keeps full attention.
+        (the default for every layer) keeps full attention.  A window at
+        least as long as a sequence sees all of it, as full attention does,
+        and gives none of its pages back (so any rollback works); a window
+        beyond the int32 positions of the tables counts as ``2**31 - 1``.
     num_window_pages : int, optional
         Pages of the windowed layers' pool, shared by every windowed layer
         (default ``num_pages``; unused when no layer is windowed).
@@ -210,9 +214,12 @@ class PagedKVCache:
         """``layer_windows`` as a tuple of ``num_layers`` entries, None or an int >= 1."""
         if layer_windows is None:
             return (None,) * self.num_layers
-        if isinstance(layer_windows, (str, bytes)) or not hasattr(layer_windows, "__len__"):
-            raise ArgumentTypeError(f"layer_windows: expected a sequence of {self.num_layers} "
-                                    f"entries (None or an int >= 1), got {layer_windows!r}"[:200])
+        # a dict (or set, or str) has a length too, but no order of layers: refused
+        if not isinstance(layer_windows, (list, tuple, np.ndarray)) or \
+                isinstance(layer_windows, np.ndarray) and layer_windows.ndim != 1:
+            raise ArgumentTypeError(f"layer_windows: expected a list, tuple or 1-d ndarray of "
+                                    f"{self.num_layers} entries (None or an int >= 1), got "
+                                    f"{type(layer_windows).__name__} {layer_windows!r}"[:200])
         if len(layer_windows) != self.num_layers:
             raise ValueError(f"layer_windows: expected {self.num_layers} entries (one per "
                              f"layer), got {len(layer_windows)}")

@@ -394,6 +394,10 @@ def test_prefix_hits_never_return_wrong_k_v_with_windows(backend):
     (dict(layer_windows=[True, None]), TypeError, r"layer_windows\[0\]"),
     (dict(layer_windows="44"), TypeError, "layer_windows"),
     (dict(layer_windows=4), TypeError, "layer_windows"),
+    (dict(layer_windows={0: None, 1: 4}), ValueError, "layer_windows: expected a list"),
+    (dict(layer_windows={5: None, 6: 4}), ValueError, "layer_windows: expected a list"),
+    (dict(layer_windows={None, 4}), ValueError, "layer_windows: expected a list"),
+    (dict(layer_windows=np.array([[4, 4]])), ValueError, "layer_windows: expected a list"),
     (dict(layer_windows=[4, None], num_window_pages=0), ValueError, "num_window_pages"),
     (dict(layer_windows=[4, None], num_window_pages=1.5), TypeError, "num_window_pages"),
     (dict(layer_windows=[4, None], window_rollback_tokens=0), ValueError,
@@ -402,3 +406,11 @@ def test_prefix_hits_never_return_wrong_k_v_with_windows(backend):
 def test_bad_window_arguments(backend, kwargs, error, fragment):
     with pytest.raises(error, match=fragment):
         pagedkv.PagedKVCache(2, 1, 8, num_pages=8, page_size=PS, backend=backend, **kwargs)
+
+
+@pytest.mark.parametrize("windows", [[None, 4], (None, 4), np.array([None, 4], dtype=object),
+                                     np.array([3, 4])])
+def test_layer_windows_as_a_list_tuple_or_array(backend, windows):
+    cache = pagedkv.PagedKVCache(2, 1, 8, num_pages=8, page_size=PS, backend=backend,
+                                 layer_windows=windows)
+    assert cache.layer_windows[1] == 4 and type(cache.layer_windows[1]) is int
