@@ -5,7 +5,9 @@ cache marks the stamp void when the sequence is truncated below the
 checkpoint, so a restore after the sequence was cut and regrown (its tokens
 there are no longer the checkpoint's) is refused instead of silently
 continuing from other K/V.  Only ``truncate`` does that bookkeeping (over the
-sequence's live checkpoints), so decode steps pay nothing for it.
+sequence's live checkpoints), so decode steps pay nothing for it.  A copy
+(``copy.copy``, ``copy.deepcopy``) is the checkpoint itself, so it is voided
+with it; a checkpoint cannot be pickled (its cache lives in this process).
 """
 import weakref
 from dataclasses import dataclass, field
@@ -34,6 +36,18 @@ class Checkpoint:
     seq_len: int
     _cache: object = field(default=None, repr=False, compare=False)   # weakref to the cache
     _stamp: Optional[_Stamp] = field(default=None, repr=False, compare=False)
+
+    # A copy must be voided with the original: a new stamp would be one the
+    # cache's book does not know.  A checkpoint is immutable, so a copy is itself.
+    def __copy__(self):
+        return self
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __reduce__(self):
+        raise TypeError("Checkpoint cannot be pickled: it restores only on the cache that "
+                        "made it, in this process")
 
 
 class CheckpointBook:
