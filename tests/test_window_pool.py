@@ -90,6 +90,72 @@ def test_exhaustion_of_either_pool_changes_nothing(backend):
     h.check_contents()
 
 
+def pool_state(cache, seqs):
+    return (cache.num_free_pages, cache.num_free_window_pages,
+            [cache.seq_len(s) for s in seqs], [list(cache.page_ids(s)) for s in seqs],
+            [list(cache.window_page_ids(s)) for s in seqs])
+
+
+def full_window_pool(backend):
+    """A window pool of 6 pages, all held: ``a`` (16 tokens) holds 4, ``p`` 2."""
+    h = make(backend, windows=(None, 4), num_window_pages=6)
+    a, p = h.add(), h.add()
+    h.step([a], 16)
+    h.step([p], 5)
+    assert h.cache.num_free_window_pages == 0 and h.cache.window_page_count(a) == 4
+    return h, a, p
+
+
+def test_a_sequence_without_new_tokens_gives_no_window_pages_back(backend):
+    # (issue 22, item 1: ``a`` with 0 new tokens counted as giving 3 pages back,
+    # and ``s`` was handed page -1)
+    h, a, p = full_window_pool(backend)
+    s = h.add()
+    before = pool_state(h.cache, [a, p, s])
+    with pytest.raises(pagedkv.OutOfPagesError, match="window pool"):
+        h.cache.append([a, s], [0, 8])
+    assert pool_state(h.cache, [a, p, s]) == before
+    h.step([a, s], [1, 4])               # a's token gives back 3 pages, s takes 1 + a 1
+    assert (h.cache.window_page_ids(s) >= 0).all()
+    h.check_contents()
+
+
+def test_pages_a_later_sequence_gives_back_serve_an_earlier_one(backend):
+    # (issue 22, item 1: ``s`` took its pages before ``a`` gave its back, and got -1)
+    h, a, p = full_window_pool(backend)
+    s = h.add()
+    h.step([s, a], [8, 1])               # a gives back 3 pages; s takes 2, a 1
+    assert (h.cache.window_page_ids(s) >= 0).all()
+    assert h.cache.num_free_window_pages == 0
+    h.step([s, a, p], 1)
+    h.check_contents()
+
+
+def test_a_window_pool_that_really_is_too_small_is_refused(backend):
+    h, a, p = full_window_pool(backend)
+    s = h.add()
+    before = pool_state(h.cache, [a, p, s])
+    with pytest.raises(pagedkv.OutOfPagesError, match="window pool"):
+        h.cache.append([s, a], [12, 1])  # 4 new pages, 3 given back, none free
+    assert pool_state(h.cache, [a, p, s]) == before
+    h.check_contents()
+
+
+def test_the_large_example_of_issue_22(backend):
+    cache = pagedkv.PagedKVCache(2, 8, 128, num_pages=64, page_size=64,
+                                 layer_windows=[None, 64], num_window_pages=6, backend=backend)
+    h = Harness(cache)
+    a, p = h.add(), h.add()
+    h.step([a], 256)
+    h.step([p], 67)
+    s = h.add()
+    with pytest.raises(pagedkv.OutOfPagesError, match="window pool"):
+        cache.append([a, s], [0, 192])
+    h.step([s, a], [128, 1])
+    assert (cache.window_page_ids(s) >= 0).all()
+    h.check_contents()
+
+
 def test_fork_shares_window_pages_with_copy_on_write(backend):
     h = make(backend)
     a = h.add()
