@@ -38,6 +38,7 @@ import numpy as np
 cimport numpy as cnp
 from libc.stdint cimport int32_t, int64_t, uint64_t
 from libc.string cimport memcpy
+from cpython.dict cimport PyDict_Clear
 from libcpp.pair cimport pair
 from libcpp.vector cimport vector
 from libcpp.unordered_map cimport unordered_map
@@ -252,7 +253,7 @@ cdef class PageTables:
     # and its sequences' lengths before it (forgotten tokens if abandoned)
     cdef vector[PkvPendingPage] pending
     cdef vector[pair[int64_t, int64_t]] open_seqs
-    cdef int64_t next_id
+    cdef readonly int64_t next_id        # the id the next new sequence gets
     cdef int64_t num_steps
     cdef readonly int64_t num_prompt_tokens    # passed to add(token_ids=...)
     cdef readonly int64_t num_reused_tokens    # of those, found in the prefix cache
@@ -409,23 +410,38 @@ cdef class PageTables:
             release_pages(self.window_allocator, seq.window_pages, 0)
             seq.window_released = 0
 
-    def free(self, seq_id):
-        """Drop the sequence; its pages go back to the pool once no one shares them."""
-        if self.swapped_entry(seq_id) is not None:
-            del self.swapped[int(seq_id)]
-            return
-        cdef PkvSequence* seq = self.find(seq_id)
-        self.abandon_step()
-        self.drop(seq)
-        self.seqs.erase(<int64_t>seq_id)
+    def free(self, seq_id, tuple also=()):
+        """Drop the sequence; its pages go back to the pool once no one shares them.
 
-    def clear(self):
-        """Free every sequence."""
+        ``also``: dicts (the caller's own records of sequences, by int id) to
+        drop ``seq_id`` from once it is gone, through the C API only, so that
+        nothing (not even a RecursionError) can raise between the two.
+        """
+        cdef PkvSequence* seq
+        cdef dict records
+        key = int(seq_id) if self.swapped_entry(seq_id) is not None else None
+        if key is not None:
+            del self.swapped[key]
+        else:
+            seq = self.find(seq_id)
+            key = int(seq_id)
+            self.abandon_step()
+            self.drop(seq)
+            self.seqs.erase(<int64_t>seq_id)
+        for records in also:
+            if key in records:
+                del records[key]
+
+    def clear(self, tuple also=()):
+        """Free every sequence; ``also``: dicts to empty with them (as in ``free``)."""
+        cdef dict records
         self.abandon_step()
         for kv in self.seqs:
             self.drop(&kv.second)
         self.seqs.clear()
-        self.swapped.clear()
+        PyDict_Clear(self.swapped)
+        for records in also:
+            PyDict_Clear(records)
 
     def __contains__(self, seq_id):
         if self.swapped_entry(seq_id) is not None:
@@ -1003,6 +1019,17 @@ cdef class PageTables:
         self.place(seq_id, length, token_ids, window_from, write, "import")
         self.next_id += 1
         return seq_id
+
+    def undo_adopt(self, int64_t first_id):
+        """Drop the sequences made since ``next_id`` was ``first_id`` (``adopt``s of
+        one load whose rest failed) and issue their ids again: no caller saw them."""
+        cdef int64_t seq_id
+        for seq_id in range(self.next_id - 1, first_id - 1, -1):   # (free queues as they were)
+            it = self.seqs.find(seq_id)
+            if it != self.seqs.end():
+                self.drop(&deref(it).second)
+                self.seqs.erase(seq_id)
+        self.next_id = min(self.next_id, first_id)
 
     def swap_in(self, seq_id, int64_t window_from=0, write=None):
         """Give a swapped-out sequence new pages (as ``adopt`` does, its window pages

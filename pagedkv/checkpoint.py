@@ -60,27 +60,20 @@ class CheckpointBook:
     def make(self, seq_id, seq_len):
         """A new checkpoint of ``seq_id`` at ``seq_len`` tokens."""
         stamp = _Stamp(seq_len)
-        refs = [r for r in self._stamps.get(seq_id, ()) if r() is not None]
+        refs = [r for r in self._stamps.get(seq_id, ()) if r() is not None and r().valid]
         refs.append(weakref.ref(stamp))
         self._stamps[seq_id] = refs
         return Checkpoint(seq_id, seq_len, self._cache, stamp)
 
-    def truncated(self, seq_id, new_len):
-        """``seq_id`` now has ``new_len`` tokens: void its checkpoints beyond them."""
-        kept = []
-        for ref in self._stamps.get(seq_id, ()):
-            stamp = ref()
-            if stamp is None:
-                continue
-            if stamp.seq_len > new_len:
-                stamp.valid = False
-            else:
-                kept.append(ref)
-        self._stamps[seq_id] = kept
+    def beyond(self, seq_id, new_len):
+        """The stamps of ``seq_id``'s live checkpoints beyond ``new_len`` tokens: the
+        caller voids them (``stamp.valid = False``) once the truncation is done,
+        with no call in between that could fail.  Changes nothing."""
+        stamps = [ref() for ref in self._stamps.get(seq_id, ())]
+        return [s for s in stamps if s is not None and s.valid and s.seq_len > new_len]
 
-    def forget(self, seq_id):
-        """``seq_id`` was freed (its checkpoints then fail as an unknown sequence)."""
-        self._stamps.pop(seq_id, None)
+    # (a freed sequence's entry is dropped by the cache itself: ``_stamps.pop``,
+    # after the sequence is gone, with no call that could fail in between)
 
     def check_owner(self, checkpoint):
         """ValueError unless ``checkpoint`` is this cache's."""
