@@ -119,7 +119,23 @@ def open_step(cache, ctx):
     store(cache, ctx["batch"], seqs, counts, layers=[0])
 
 
+def open_step_with_tokens(cache, ctx):
+    """With prefix caching: a step of a and c with token ids that fills pages,
+    stored in layer 0 only (still open: its pages wait for layer 1)."""
+    seqs, counts = [ctx["a"], ctx["c"]], [7, 4]
+    ctx["batch"] = append(cache, seqs, counts, tokens=list(range(11)))
+    ctx["step"] = (seqs, counts)
+    store(cache, ctx["batch"], seqs, counts, layers=[0])
+
+
+CACHING = {"append_abandoning_an_open_step_with_tokens", "store_closing_a_step_with_tokens"}
+
 CALLS = {
+    "append_abandoning_an_open_step_with_tokens": (
+        open_step_with_tokens, lambda c, x: append(c, [x["a"], x["b"]], [6, 2],
+                                                   tokens=list(range(100, 108)))),
+    "store_closing_a_step_with_tokens": (
+        open_step_with_tokens, lambda c, x: store(c, x["batch"], *x["step"], layers=[1])),
     "append": (None, lambda c, x: append(c, [x["a"], x["b"], x["c"]], [2, 3, 1])),
     "append_after_open_step": (open_step, lambda c, x: append(c, [x["b"], x["c"]], [5, 1])),
     "store": (open_step, lambda c, x: store(c, x["batch"], *x["step"], layers=[1])),
@@ -138,7 +154,7 @@ CALLS = {
 
 
 def prepare(backend, name, tmp_path):
-    cache = make(backend)
+    cache = make(backend, caching=name in CACHING)
     ctx = base_state(cache, tmp_path)
     setup = CALLS[name][0]
     if setup is not None:
@@ -211,12 +227,13 @@ def check_call(backend, name, tmp_path, errors, fresh_each_time):
     assert snapshot(cache, ctx) == snapshot(twin, twin_ctx)
 
 
-@pytest.mark.parametrize("name", sorted(set(CALLS) - {"attention", "store"}))
+@pytest.mark.parametrize("name", sorted(set(CALLS) - {"attention", "store",
+                                                      "store_closing_a_step_with_tokens"}))
 def test_an_exception_at_any_call_inside_changes_nothing(backend, name, tmp_path):
     check_call(backend, name, tmp_path, (Injected, KeyboardInterrupt, MemoryError), False)
 
 
-@pytest.mark.parametrize("name", ["attention", "store"])
+@pytest.mark.parametrize("name", ["attention", "store", "store_closing_a_step_with_tokens"])
 def test_an_exception_inside_store_or_attention_loses_no_k_v(backend, name, tmp_path):
     # a fresh cache each time: on opencl a store waits for its layer's attention,
     # and the snapshot's reads would launch it
@@ -259,17 +276,25 @@ def test_a_recursion_error_at_any_depth_changes_nothing(backend, name, tmp_path)
         np.testing.assert_array_equal(got, want)
 
 
-def test_a_failed_append_keeps_the_previous_batch_valid(backend, tmp_path):
-    cache, ctx = prepare(backend, "append_after_open_step", tmp_path)
-    batch, (seqs, counts) = ctx["batch"], ctx["step"]
-    hook = Hook(3, Injected)
-    with pytest.raises(Injected):
-        run_injected(CALLS["append"][1], cache, ctx, hook)
-    store(cache, batch, seqs, counts, layers=[1])       # the open step goes on
-    twin, twin_ctx = prepare(backend, "append_after_open_step", tmp_path)
-    store(twin, twin_ctx["batch"], seqs, counts, layers=[1])
-    for layer in range(LAYERS):
-        np.testing.assert_array_equal(cache.attention(layer, batch, queries(batch)),
-                                      twin.attention(layer, twin_ctx["batch"],
-                                                     queries(twin_ctx["batch"])))
-    assert snapshot(cache, ctx) == snapshot(twin, twin_ctx)
+@pytest.mark.parametrize("name", ["append_after_open_step",
+                                  "append_abandoning_an_open_step_with_tokens"])
+def test_a_failed_append_keeps_the_previous_batch_valid(backend, name, tmp_path):
+    # the open step goes on after an append that failed, late (after its tables
+    # committed: while preparing the step or copying pages) or early
+    call = CALLS[name][1]
+    cache, ctx = prepare(backend, name, tmp_path)
+    counter = Hook(0, Injected)               # (n = 0: counts calls, never raises)
+    run_injected(call, cache, ctx, counter)
+    for n in sorted({counter.count, counter.count - 1, counter.count - 3, counter.count // 2}):
+        cache, ctx = prepare(backend, name, tmp_path)
+        batch, (seqs, counts) = ctx["batch"], ctx["step"]
+        with pytest.raises(Injected):
+            run_injected(call, cache, ctx, Hook(n, Injected))
+        store(cache, batch, seqs, counts, layers=[1])
+        twin, twin_ctx = prepare(backend, name, tmp_path)
+        store(twin, twin_ctx["batch"], seqs, counts, layers=[1])
+        for layer in range(LAYERS):
+            np.testing.assert_array_equal(cache.attention(layer, batch, queries(batch)),
+                                          twin.attention(layer, twin_ctx["batch"],
+                                                         queries(twin_ctx["batch"])))
+        assert snapshot(cache, ctx) == snapshot(twin, twin_ctx)
