@@ -397,9 +397,10 @@ class OpenCLBackend(Backend):
 
     def _flush(self):
         """Launch the store that waits for its layer's attention, if any."""
-        pending, self._pending = self._pending, None
+        pending = self._pending
         if pending is not None:
             self._scatter(pending.layer, pending.tables, pending.k, pending.v)
+            self._pending = None     # only once launched: a failed launch keeps it owed
 
     def prepare_step(self, tables):
         """Upload the step's tables once (``tables.device``); every layer reuses them."""
@@ -491,9 +492,7 @@ class OpenCLBackend(Backend):
         # the layer's store, if it waits, runs in this launch (taken only now
         # that q is ready: a bad q must not lose it)
         fused = self._pending
-        if fused is not None and fused.layer == layer and fused.tables is tables:
-            self._pending = None
-        else:
+        if fused is None or fused.layer != layer or fused.tables is not tables:
             fused = None
             self._flush()
         t = tables.device
@@ -525,6 +524,8 @@ class OpenCLBackend(Backend):
             num_pages=self.layer_pages[layer], nnz=len(tables.page_indices), scale=spec.scale,
             soft_cap=spec.logits_soft_cap or 0.0, sinks=sinks, has_sinks=spec.sinks is not None,
             out=out_d, part_acc=part_acc, part_max=part_max, part_sum=part_sum)]
+        if fused is not None:    # the store is launched: no longer owed
+            self._pending = None
         if plan.num_segments:
             mwg = self.layout.merge_work_group_size
             events.append(self._k_merge(
