@@ -37,6 +37,7 @@ cdef class PageAllocator:
     cdef int32_t lookup(self, uint64_t page_hash, int64_t parent_entry,
                         const int32_t* tokens) noexcept nogil
     cdef void acquire(self, int32_t page) noexcept nogil
+    cdef void hold(self, int32_t page) noexcept nogil
     cdef bint cache_page(self, int32_t page, uint64_t page_hash, int64_t parent_entry,
                          const int32_t* tokens) noexcept nogil
     cdef void _uncache(self, int32_t page) noexcept nogil

@@ -171,6 +171,15 @@ cdef class PageAllocator:
             self.num_evictable -= 1
         self._refcount[page] += 1
 
+    cdef void hold(self, int32_t page) noexcept nogil:
+        """Take a reference to any page, cached or not, taking it off the free
+        queue if it is there (undoing a ``decref_page``)."""
+        if self._refcount[page] == 0:
+            self._unlink(page)
+            if self._entry[page]:
+                self.num_evictable -= 1
+        self._refcount[page] += 1
+
     cdef bint cache_page(self, int32_t page, uint64_t page_hash, int64_t parent_entry,
                          const int32_t* tokens) noexcept nogil:
         """Remember a full, in-use page under ``page_hash``; False if the hash

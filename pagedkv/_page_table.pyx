@@ -38,6 +38,7 @@ import numpy as np
 cimport numpy as cnp
 from libc.stdint cimport int32_t, int64_t, uint64_t
 from libc.string cimport memcpy
+from cpython.dict cimport PyDict_Clear
 from libcpp.pair cimport pair
 from libcpp.vector cimport vector
 from libcpp.unordered_map cimport unordered_map
@@ -72,6 +73,44 @@ cdef extern from *:
         int64_t index;            // position of the page in the sequence's list
         uint64_t hash;
     };
+    // what one sequence of the last append was before it (see PageTables.undo_append)
+    struct PkvUndoSeq {
+        int64_t seq_id;
+        int64_t length;
+        int64_t num_pages;
+        int64_t num_window_pages;
+        int64_t window_released;
+        int64_t num_tokens;
+        int64_t num_hashes;
+        int32_t copy_source;          // the shared last page it copied, or -1
+        int32_t window_copy_source;
+    };
+    // a window page the last append gave back: entry `index` of sequence `b`
+    struct PkvReleased {
+        int64_t b;
+        int64_t index;
+        int32_t page;
+    };
+    // the tokens and hashes an abandoned step made a sequence forget
+    struct PkvForgotten {
+        int64_t seq_id;
+        std::vector<int32_t> tokens;
+        std::vector<uint64_t> hashes;
+    };
+    static inline void pkv_forget(std::vector<PkvForgotten>& out, int64_t seq_id,
+                                  PkvSequence& seq, size_t num_tokens, size_t num_hashes) {
+        PkvForgotten f;
+        f.seq_id = seq_id;
+        if (seq.tokens.size() > num_tokens)
+            f.tokens.assign(seq.tokens.begin() + num_tokens, seq.tokens.end());
+        if (seq.hashes.size() > num_hashes)
+            f.hashes.assign(seq.hashes.begin() + num_hashes, seq.hashes.end());
+        out.push_back(f);
+    }
+    static inline void pkv_remember(PkvForgotten& f, PkvSequence& seq) {
+        seq.tokens.insert(seq.tokens.end(), f.tokens.begin(), f.tokens.end());
+        seq.hashes.insert(seq.hashes.end(), f.hashes.begin(), f.hashes.end());
+    }
     """
     cdef cppclass PkvSequence:
         PkvSequence() except +
@@ -86,6 +125,25 @@ cdef extern from *:
         int64_t seq_id
         int64_t index
         uint64_t hash
+    cdef cppclass PkvUndoSeq:
+        int64_t seq_id
+        int64_t length
+        int64_t num_pages
+        int64_t num_window_pages
+        int64_t window_released
+        int64_t num_tokens
+        int64_t num_hashes
+        int32_t copy_source
+        int32_t window_copy_source
+    cdef cppclass PkvReleased:
+        int64_t b
+        int64_t index
+        int32_t page
+    cdef cppclass PkvForgotten:
+        int64_t seq_id
+    void pkv_forget(vector[PkvForgotten]& out, int64_t seq_id, PkvSequence& seq,
+                    size_t num_tokens, size_t num_hashes) nogil
+    void pkv_remember(PkvForgotten& f, PkvSequence& seq) nogil
 
 cdef extern from "pkv_hash.h" nogil:
     uint64_t pkv_hash_page(uint64_t parent_hash, const int32_t* tokens, int n)
@@ -132,18 +190,21 @@ cdef bint must_copy(PageAllocator allocator, vector[int32_t]& pages, int64_t len
     return holders - (deref(it).second if it != copies_of.end() else 0) > 1
 
 
-cdef void grow(PageAllocator allocator, vector[int32_t]& pages, int64_t num_pages,
-               int32_t[::1] copy_src, int32_t[::1] copy_dst, int64_t* c, bint copy) noexcept nogil:
-    """Commit one sequence's pages in one pool: the copy of its last page, if
-    ``copy``, then new pages up to ``num_pages``."""
-    cdef int32_t page
-    if copy:
-        page = allocator.take_page()
-        copy_src[c[0]] = pages.back()
-        copy_dst[c[0]] = page
-        c[0] += 1
-        allocator.decref_page(pages.back())
-        pages[pages.size() - 1] = page
+cdef int32_t take_copy(PageAllocator allocator, vector[int32_t]& pages,
+                       int32_t[::1] copy_src, int32_t[::1] copy_dst, int64_t* c) noexcept nogil:
+    """Give the sequence a new last page to copy its shared one into; returns the
+    shared page, whose reference the caller drops once the step's pages are
+    all taken (so that no page of the step is the copy of a page it copies)."""
+    cdef int32_t page = allocator.take_page(), source = pages.back()
+    copy_src[c[0]] = source
+    copy_dst[c[0]] = page
+    c[0] += 1
+    pages[pages.size() - 1] = page
+    return source
+
+
+cdef void grow(PageAllocator allocator, vector[int32_t]& pages, int64_t num_pages) noexcept nogil:
+    """New pages at the end of one sequence's list in one pool, up to ``num_pages``."""
     while <int64_t>pages.size() < num_pages:
         pages.push_back(allocator.take_page())
 
@@ -192,11 +253,18 @@ cdef class PageTables:
     # and its sequences' lengths before it (forgotten tokens if abandoned)
     cdef vector[PkvPendingPage] pending
     cdef vector[pair[int64_t, int64_t]] open_seqs
-    cdef int64_t next_id
+    cdef readonly int64_t next_id        # the id the next new sequence gets
     cdef int64_t num_steps
     cdef readonly int64_t num_prompt_tokens    # passed to add(token_ids=...)
     cdef readonly int64_t num_reused_tokens    # of those, found in the prefix cache
     cdef dict swapped                         # swapped-out id -> (length, known token ids)
+    # how to undo the last append (``undo_append``), while ``undo_armed``
+    cdef bint undo_armed
+    cdef vector[PkvUndoSeq] undo_seqs
+    cdef vector[PkvReleased] undo_released
+    cdef vector[PkvForgotten] undo_forgotten
+    cdef vector[PkvPendingPage] undo_pending
+    cdef vector[pair[int64_t, int64_t]] undo_open_seqs
 
     def __cinit__(self, PageAllocator allocator, hash_fn=None,
                   PageAllocator window_allocator=None, int64_t window=0, int64_t rollback=1):
@@ -213,6 +281,7 @@ cdef class PageTables:
         self.num_prompt_tokens = 0
         self.num_reused_tokens = 0
         self.swapped = {}
+        self.undo_armed = False
 
     cdef uint64_t page_hash(self, uint64_t parent_hash, const int32_t* tokens) except? 0:
         if self.hash_fn is None:
@@ -244,15 +313,6 @@ cdef class PageTables:
         """The oldest position a windowed query may still need after a step old_len -> new_len."""
         cdef int64_t first = min(old_len, new_len - self.rollback)
         return max(<int64_t>0, first - self.window + 1)
-
-    cdef void release_window(self, PkvSequence* seq, int64_t keep_from) noexcept nogil:
-        """Give back the window pages wholly before position ``keep_from``."""
-        cdef int64_t upto = min(keep_from // self.page_size, <int64_t>seq.window_pages.size())
-        while seq.window_released < upto:
-            if seq.window_pages[seq.window_released] != RELEASED:
-                self.window_allocator.decref_page(seq.window_pages[seq.window_released])
-                seq.window_pages[seq.window_released] = RELEASED
-            seq.window_released += 1
 
     # -- sequences ---------------------------------------------------------------
     def add(self, token_ids=None):
@@ -350,23 +410,38 @@ cdef class PageTables:
             release_pages(self.window_allocator, seq.window_pages, 0)
             seq.window_released = 0
 
-    def free(self, seq_id):
-        """Drop the sequence; its pages go back to the pool once no one shares them."""
-        if self.swapped_entry(seq_id) is not None:
-            del self.swapped[int(seq_id)]
-            return
-        cdef PkvSequence* seq = self.find(seq_id)
-        self.abandon_step()
-        self.drop(seq)
-        self.seqs.erase(<int64_t>seq_id)
+    def free(self, seq_id, tuple also=()):
+        """Drop the sequence; its pages go back to the pool once no one shares them.
 
-    def clear(self):
-        """Free every sequence."""
+        ``also``: dicts (the caller's own records of sequences, by int id) to
+        drop ``seq_id`` from once it is gone, through the C API only, so that
+        nothing (not even a RecursionError) can raise between the two.
+        """
+        cdef PkvSequence* seq
+        cdef dict records
+        key = int(seq_id) if self.swapped_entry(seq_id) is not None else None
+        if key is not None:
+            del self.swapped[key]
+        else:
+            seq = self.find(seq_id)
+            key = int(seq_id)
+            self.abandon_step()
+            self.drop(seq)
+            self.seqs.erase(<int64_t>seq_id)
+        for records in also:
+            if key in records:
+                del records[key]
+
+    def clear(self, tuple also=()):
+        """Free every sequence; ``also``: dicts to empty with them (as in ``free``)."""
+        cdef dict records
         self.abandon_step()
         for kv in self.seqs:
             self.drop(&kv.second)
         self.seqs.clear()
-        self.swapped.clear()
+        PyDict_Clear(self.swapped)
+        for records in also:
+            PyDict_Clear(records)
 
     def __contains__(self, seq_id):
         if self.swapped_entry(seq_id) is not None:
@@ -436,7 +511,10 @@ cdef class PageTables:
         """ValueError unless truncating to ``new_len`` keeps what windowed queries need."""
         cdef PkvSequence* seq = self.find(seq_id)
         cdef int64_t held_from = seq.window_released * self.page_size
-        if self.windowed and 0 < new_len < seq.length and new_len < held_from + self.window - 1:
+        # a query at new_len (the first after the rollback) sees from new_len - window + 1;
+        # only positions given back (before held_from) that it would see are missing
+        if self.windowed and 0 < new_len < seq.length and \
+                max(new_len - self.window + 1, <int64_t>0) < held_from:
             raise ValueError(
                 f"new_len: the windowed layers gave back this sequence's K/V before position "
                 f"{held_from}, and a query at position {new_len} would see from position "
@@ -485,26 +563,52 @@ cdef class PageTables:
             out.push_back(parent)
         return 0
 
-    cdef int64_t window_pages_freed(self, PkvSequence* seq, int64_t new_len) noexcept nogil:
-        """Window pages this step gives back that become free (held by no one else)."""
-        cdef int64_t j, freed = 0
+    cdef void count_window_releases(self, PkvSequence* seq, int64_t new_len,
+                                    unordered_map[int32_t, int32_t]& releases) noexcept nogil:
+        """Count, per window page, the references a step from seq.length to ``new_len``
+        gives back (a page shared by sequences of the step may lose several)."""
+        cdef int64_t j
         cdef int64_t upto = min(self.keep_from(seq.length, new_len) // self.page_size,
                                 <int64_t>seq.window_pages.size())
         for j in range(seq.window_released, upto):
-            if seq.window_pages[j] != RELEASED and \
-                    self.window_allocator.refcount_of(seq.window_pages[j]) == 1:
-                freed += 1
-        return freed
+            if seq.window_pages[j] != RELEASED:
+                releases[seq.window_pages[j]] += 1
+
+    cdef void release_window_recorded(self, PkvSequence* seq, int64_t keep_from,
+                                      int64_t b) noexcept nogil:
+        """``release_window``, keeping each page given back in ``undo_released``."""
+        cdef int64_t upto = min(keep_from // self.page_size, <int64_t>seq.window_pages.size())
+        cdef PkvReleased entry
+        while seq.window_released < upto:
+            if seq.window_pages[seq.window_released] != RELEASED:
+                entry.b = b
+                entry.index = seq.window_released
+                entry.page = seq.window_pages[seq.window_released]
+                self.undo_released.push_back(entry)
+                self.window_allocator.decref_page(entry.page)
+                seq.window_pages[seq.window_released] = RELEASED
+            seq.window_released += 1
 
     def append(self, seq_ids, num_new_tokens, max_seq_len=None, token_ids=None):
         """Reserve slots for ``num_new_tokens[b]`` new tokens of each ``seq_ids[b]``.
 
         All or nothing, over both pools: on any error no sequence or page
-        changes.  A sequence whose last page is partly filled and shared (or
-        cached) gets a private copy of it first; the (source, destination)
-        pairs are returned so that the backend copies the data before
-        anything is stored.  Window pages no later query can see are given
-        back first, so their room serves this step.
+        changes, and once it has returned ``undo_append`` takes it back.  A
+        sequence whose last page is partly filled and shared (or cached)
+        gets a private copy of it first; the (source, destination) pairs are
+        returned so that the backend copies the data before anything is
+        stored.  Window pages no later query can see are given back before
+        the step's new pages are taken, so their room serves this step.
+
+        Two phases: a plan that changes nothing (validate, hash, count what
+        each pool must give exactly: the window pages the step gives back
+        count only where the sequence gets new tokens, and only once no
+        sequence holds them; allocate the tables), then a commit that
+        cannot fail.  The commit takes, in each pool, the copies'
+        destinations first, then gives window pages back, then takes the
+        new pages, and drops the copies' sources last: so a copy never
+        writes a page that this step gave back or copies from, and undoing
+        the step finds every page it gave back as it was.
 
         Parameters
         ----------
@@ -532,26 +636,29 @@ cdef class PageTables:
             ``window_copy_dst`` (the window lists have the full lists'
             lengths, so ``page_indptr`` and ``last_page_len`` serve both).
         """
+        self.undo_armed = False
         cdef int64_t[::1] ids = seq_ids
         cdef int64_t[::1] counts = num_new_tokens
         cdef int32_t[::1] tokens
         cdef bint track = self.caching and token_ids is not None
         cdef bint windowed = self.windowed
-        cdef Py_ssize_t B = ids.shape[0], b
+        cdef Py_ssize_t B = ids.shape[0], b, i
         cdef int64_t ps = self.page_size
         cdef int64_t cap = -1 if max_seq_len is None else max_seq_len
         cdef vector[PkvSequence*] batch
         # copies this step will make per shared page: the last writer of a
         # page shared only within the step keeps it instead of copying
         cdef unordered_map[int32_t, int32_t] copies_of, window_copies_of
+        # references to window pages the step gives back, per page
+        cdef unordered_map[int32_t, int32_t] window_releases
         cdef vector[vector[uint64_t]] hashes
         cdef vector[char] copy_full, copy_window
         cdef PkvSequence* seq
-        cdef int64_t needed = 0, window_needed = 0, new_len, total_new = 0, nnz = 0
-        cdef int64_t num_copies = 0, num_window_copies = 0, max_pages = 0
+        cdef int64_t needed = 0, window_new = 0, window_freed = 0, new_len, total_new = 0
+        cdef int64_t nnz = 0, num_copies = 0, num_window_copies = 0, max_pages = 0
         cdef int64_t row = 0, c = 0, wc = 0, old_len
 
-        # Pass 1: validate everything, count pages and hash the pages this step
+        # Plan: validate everything, count pages and hash the pages this step
         # fills (a user hash function may raise); nothing changes yet.
         batch.reserve(B)
         copy_full.resize(B)
@@ -584,8 +691,9 @@ cdef class PageTables:
                 if copy_window[b]:
                     window_copies_of[seq.window_pages.back()] += 1
                     num_window_copies += 1
-                window_needed += copy_window[b] + pages_for(new_len, ps) \
-                    - <int64_t>seq.window_pages.size() - self.window_pages_freed(seq, new_len)
+                window_new += pages_for(new_len, ps) - <int64_t>seq.window_pages.size()
+                if counts[b]:        # (a sequence without new tokens gives nothing back)
+                    self.count_window_releases(seq, new_len, window_releases)
             if track and <int64_t>seq.tokens.size() == seq.length:
                 self.new_page_hashes(seq, counts[b], &tokens[total_new] if counts[b] else NULL,
                                      hashes[b])
@@ -593,14 +701,20 @@ cdef class PageTables:
             nnz += pages_for(new_len, ps)
             max_pages = max(max_pages, pages_for(new_len, ps))
             batch.push_back(seq)
+        for kv in window_releases:   # free once every holder of the page gave it back
+            window_freed += self.window_allocator.refcount_of(kv.first) == kv.second
         if needed > self.allocator.num_free_pages:
             raise OutOfPagesError(
                 f"append: this step needs {needed} new pages, {self.allocator.num_free_pages} "
                 f"of {self.allocator.num_pages} free"
                 + (" in the full-attention pool" if windowed else ""))
-        if windowed and window_needed > self.window_allocator.num_free_pages:
+        if windowed and (num_window_copies > self.window_allocator.num_free_pages or
+                         num_window_copies + window_new - window_freed
+                         > self.window_allocator.num_free_pages):
             raise OutOfPagesError(
-                f"append: this step needs {window_needed} new window pages, "
+                f"append: this step needs {num_window_copies + window_new} new window pages "
+                f"({num_window_copies} of them copies of shared pages, taken before the "
+                f"{window_freed} it gives back are free), "
                 f"{self.window_allocator.num_free_pages} of {self.window_allocator.num_pages} "
                 f"free in the window pool (the sliding-window layers; num_window_pages)")
 
@@ -636,23 +750,44 @@ cdef class PageTables:
         cdef int32_t[::1] w_copy_src = out.get("window_copy_src", out["copy_src"])
         cdef int32_t[::1] w_copy_dst = out.get("window_copy_dst", out["copy_dst"])
         cdef size_t n_pages
-        self.abandon_step()      # a previous step not stored in full is given up
+        self.undo_seqs.resize(B)         # (may raise MemoryError: before anything changes)
+        self.undo_released.clear()
+        self.abandon_step(True)      # a previous step not stored in full is given up
 
-        # Pass 2: commit (cannot fail) and fill the tables.
+        # Commit (cannot fail) and fill the tables.
         with nogil:
+            for b in range(B):
+                seq = batch[b]
+                self.undo_seqs[b].seq_id = ids[b]
+                self.undo_seqs[b].length = seq.length
+                self.undo_seqs[b].num_pages = seq.pages.size()
+                self.undo_seqs[b].num_window_pages = seq.window_pages.size()
+                self.undo_seqs[b].window_released = seq.window_released
+                self.undo_seqs[b].num_tokens = seq.tokens.size()
+                self.undo_seqs[b].num_hashes = seq.hashes.size()
+                self.undo_seqs[b].copy_source = -1
+                self.undo_seqs[b].window_copy_source = -1
+                if windowed and copy_window[b]:
+                    self.undo_seqs[b].window_copy_source = take_copy(
+                        self.window_allocator, seq.window_pages, w_copy_src, w_copy_dst, &wc)
+            if windowed:
+                for b in range(B):
+                    if counts[b]:
+                        seq = batch[b]
+                        self.release_window_recorded(
+                            seq, self.keep_from(seq.length, seq.length + counts[b]), b)
             query_start[0] = 0
             page_indptr[0] = 0
             for b in range(B):
                 seq = batch[b]
                 old_len = seq.length
                 new_len = old_len + counts[b]
-                grow(self.allocator, seq.pages, pages_for(new_len, ps), copy_src, copy_dst, &c,
-                     copy_full[b])
+                if copy_full[b]:
+                    self.undo_seqs[b].copy_source = take_copy(self.allocator, seq.pages,
+                                                              copy_src, copy_dst, &c)
+                grow(self.allocator, seq.pages, pages_for(new_len, ps))
                 if windowed:
-                    if counts[b]:
-                        self.release_window(seq, self.keep_from(old_len, new_len))
-                    grow(self.window_allocator, seq.window_pages, pages_for(new_len, ps),
-                         w_copy_src, w_copy_dst, &wc, copy_window[b])
+                    grow(self.window_allocator, seq.window_pages, pages_for(new_len, ps))
                 if track and <int64_t>seq.tokens.size() == seq.length:
                     self.open_seqs.push_back(pair[int64_t, int64_t](ids[b], seq.length))
                     if counts[b] > 0:   # (row may be one past the end of tokens otherwise)
@@ -671,7 +806,71 @@ cdef class PageTables:
                 query_start[b + 1] = <int32_t>row
                 seq_lens[b] = <int32_t>new_len
                 last_page_len[b] = <int32_t>(new_len - (<int64_t>n_pages - 1) * ps) if n_pages else 0
+            for i in range(c):
+                self.allocator.decref_page(copy_src[i])
+            for i in range(wc):
+                self.window_allocator.decref_page(w_copy_src[i])
+        self.undo_armed = True
         return out
+
+    def undo_append(self):
+        """Take back the last ``append``, when what its caller does next with it
+        fails (copying pages, uploading tables): every sequence, page, free
+        queue and open step as before it.  Only right after that append; a
+        no-op otherwise.  Free pages it took that held an evictable cached
+        prefix stay evicted (they are free either way)."""
+        if not self.undo_armed:
+            return
+        self.undo_armed = False
+        with nogil:
+            self.undo_last_append()
+
+    cdef void undo_last_append(self) noexcept nogil:
+        cdef Py_ssize_t b, i, B = self.undo_seqs.size()
+        cdef PkvSequence* seq
+        cdef PkvUndoSeq* u
+        # the commit's steps in reverse: the copies' sources held again, new
+        # pages and full-pool copies dropped, window pages given back taken
+        # back, window-pool copies dropped; then the previous open step
+        for b in range(B - 1, -1, -1):
+            u = &self.undo_seqs[b]
+            if u.window_copy_source >= 0:
+                self.window_allocator.hold(u.window_copy_source)
+            if u.copy_source >= 0:
+                self.allocator.hold(u.copy_source)
+        for b in range(B - 1, -1, -1):
+            u = &self.undo_seqs[b]
+            seq = &deref(self.seqs.find(u.seq_id)).second
+            if self.windowed:
+                release_pages(self.window_allocator, seq.window_pages, u.num_window_pages)
+            release_pages(self.allocator, seq.pages, u.num_pages)
+            if u.copy_source >= 0:
+                self.allocator.decref_page(seq.pages.back())
+                seq.pages[seq.pages.size() - 1] = u.copy_source
+            seq.length = u.length
+            seq.tokens.resize(u.num_tokens)
+            seq.hashes.resize(u.num_hashes)
+        for i in range(<Py_ssize_t>self.undo_released.size() - 1, -1, -1):
+            seq = &deref(self.seqs.find(self.undo_seqs[self.undo_released[i].b].seq_id)).second
+            self.window_allocator.hold(self.undo_released[i].page)
+            seq.window_pages[self.undo_released[i].index] = self.undo_released[i].page
+        for b in range(B - 1, -1, -1):
+            u = &self.undo_seqs[b]
+            seq = &deref(self.seqs.find(u.seq_id)).second
+            seq.window_released = u.window_released
+            if u.window_copy_source >= 0:
+                self.window_allocator.decref_page(seq.window_pages.back())
+                seq.window_pages[seq.window_pages.size() - 1] = u.window_copy_source
+        for i in range(<Py_ssize_t>self.undo_forgotten.size()):
+            it = self.seqs.find(self.undo_forgotten[i].seq_id)
+            if it != self.seqs.end():
+                pkv_remember(self.undo_forgotten[i], deref(it).second)
+        self.pending.swap(self.undo_pending)
+        self.open_seqs.swap(self.undo_open_seqs)
+        self.undo_pending.clear()
+        self.undo_open_seqs.clear()
+        self.undo_forgotten.clear()
+        self.undo_released.clear()
 
     cdef void record_full_pages(self, int64_t seq_id, PkvSequence* seq,
                                 vector[uint64_t]& new_hashes) noexcept nogil:
@@ -686,24 +885,38 @@ cdef class PageTables:
             seq.hashes.push_back(new_hashes[i])
             self.pending.push_back(entry)
 
-    cdef void abandon_step(self) noexcept nogil:
+    cdef void abandon_step(self, bint record=False) noexcept nogil:
         """Give up the open step: cache none of its pages, and make its sequences
-        forget its tokens (their K/V may never have been stored)."""
+        forget its tokens (their K/V may never have been stored).  ``record``:
+        keep what it forgot and the open step itself, for ``undo_append``."""
         cdef size_t i
         cdef int64_t old_len
         cdef PkvSequence* seq
+        if record:
+            self.undo_forgotten.clear()
         for i in range(self.open_seqs.size()):
             it = self.seqs.find(self.open_seqs[i].first)
             if it == self.seqs.end():
                 continue
             seq = &deref(it).second
             old_len = self.open_seqs[i].second
+            if record and (<int64_t>seq.tokens.size() > old_len or
+                           <int64_t>seq.hashes.size() > old_len // self.page_size):
+                pkv_forget(self.undo_forgotten, self.open_seqs[i].first, deref(seq),
+                           min(<size_t>old_len, seq.tokens.size()),
+                           min(<size_t>(old_len // self.page_size), seq.hashes.size()))
             if <int64_t>seq.tokens.size() > old_len:
                 seq.tokens.resize(old_len)
             if <int64_t>seq.hashes.size() > old_len // self.page_size:
                 seq.hashes.resize(old_len // self.page_size)
-        self.open_seqs.clear()
-        self.pending.clear()
+        if record:
+            self.undo_open_seqs.clear()
+            self.undo_pending.clear()
+            self.undo_open_seqs.swap(self.open_seqs)
+            self.undo_pending.swap(self.pending)
+        else:
+            self.open_seqs.clear()
+            self.pending.clear()
 
     def close_step(self):
         """The open step is stored in every layer: enter the pages it filled in the
@@ -806,6 +1019,17 @@ cdef class PageTables:
         self.place(seq_id, length, token_ids, window_from, write, "import")
         self.next_id += 1
         return seq_id
+
+    def undo_adopt(self, int64_t first_id):
+        """Drop the sequences made since ``next_id`` was ``first_id`` (``adopt``s of
+        one load whose rest failed) and issue their ids again: no caller saw them."""
+        cdef int64_t seq_id
+        for seq_id in range(self.next_id - 1, first_id - 1, -1):   # (free queues as they were)
+            it = self.seqs.find(seq_id)
+            if it != self.seqs.end():
+                self.drop(&deref(it).second)
+                self.seqs.erase(seq_id)
+        self.next_id = min(self.next_id, first_id)
 
     def swap_in(self, seq_id, int64_t window_from=0, write=None):
         """Give a swapped-out sequence new pages (as ``adopt`` does, its window pages

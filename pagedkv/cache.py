@@ -81,12 +81,16 @@ class PagedKVCache:
         default deterministic page hash.  Hits are confirmed by comparing token
         ids, so even a constant function returns no wrong KV.
     layer_windows : sequence of (int or None), shape [num_layers], optional
+        A list, tuple or 1-d ndarray.
         ``W`` makes a layer a sliding-window layer: its ``attention`` uses
         ``sliding_window=W`` (or a smaller one passed to it), and its K/V live
         in a second pool whose pages go back as soon as no later query can see
         them, so such a layer holds about ``(W + new tokens of the step) /
         page_size + 2`` pages per sequence, whatever its length.  ``None``
-        (the default for every layer) keeps full attention.
+        (the default for every layer) keeps full attention.  A window at
+        least as long as a sequence sees all of it, as full attention does,
+        and gives none of its pages back (so any rollback works); a window
+        beyond the int32 positions of the tables counts as ``2**31 - 1``.
     num_window_pages : int, optional
         Pages of the windowed layers' pool, shared by every windowed layer
         (default ``num_pages``; unused when no layer is windowed).
@@ -210,9 +214,12 @@ class PagedKVCache:
         """``layer_windows`` as a tuple of ``num_layers`` entries, None or an int >= 1."""
         if layer_windows is None:
             return (None,) * self.num_layers
-        if isinstance(layer_windows, (str, bytes)) or not hasattr(layer_windows, "__len__"):
-            raise ArgumentTypeError(f"layer_windows: expected a sequence of {self.num_layers} "
-                                    f"entries (None or an int >= 1), got {layer_windows!r}"[:200])
+        # a dict (or set, or str) has a length too, but no order of layers: refused
+        if not isinstance(layer_windows, (list, tuple, np.ndarray)) or \
+                isinstance(layer_windows, np.ndarray) and layer_windows.ndim != 1:
+            raise ArgumentTypeError(f"layer_windows: expected a list, tuple or 1-d ndarray of "
+                                    f"{self.num_layers} entries (None or an int >= 1), got "
+                                    f"{type(layer_windows).__name__} {layer_windows!r}"[:200])
         if len(layer_windows) != self.num_layers:
             raise ValueError(f"layer_windows: expected {self.num_layers} entries (one per "
                              f"layer), got {len(layer_windows)}")
@@ -330,9 +337,9 @@ class PagedKVCache:
     def free(self, seq_id: int) -> None:
         """Drop the sequence (swapped out or not); its pages return to the pool once no
         sequence uses them."""
-        self._tables.free(seq_id)
-        self._swapped.pop(int(seq_id), None)
-        self._checkpoints.forget(seq_id)
+        # one call that raises before it changes anything, and drops the
+        # sequence from the facade's records too
+        self._tables.free(seq_id, (self._swapped, self._checkpoints._stamps))
         self._generation += 1
 
     @exclusive
@@ -356,9 +363,12 @@ class PagedKVCache:
     def _truncate(self, seq_id, new_len):
         length = self._tables.seq_len(seq_id)
         new_len = check_int("new_len", new_len, minimum=0, maximum=length)
-        self._tables.truncate(seq_id, new_len)
-        self._checkpoints.truncated(int(seq_id), new_len)
+        voided = self._checkpoints.beyond(int(seq_id), new_len)   # (changes nothing)
+        self._tables.truncate(seq_id, new_len)     # raises before it changes anything
+        # from here on no Python-level call, so nothing can raise in between
         self._generation += 1
+        for stamp in voided:
+            stamp.valid = False
 
     @exclusive
     def checkpoint(self, seq_id: int) -> Checkpoint:
@@ -395,10 +405,7 @@ class PagedKVCache:
     @exclusive
     def clear(self) -> None:
         """Free every sequence."""
-        for seq_id in self._tables.ids():
-            self._checkpoints.forget(seq_id)
-        self._tables.clear()
-        self._swapped.clear()
+        self._tables.clear((self._swapped, self._checkpoints._stamps))
         self._generation += 1
 
     # -- one step ------------------------------------------------------------------
@@ -432,19 +439,30 @@ class PagedKVCache:
         counts = check_int_vector("num_new_tokens", num_new_tokens, length=len(ids), minimum=0)
         if token_ids is not None:
             token_ids = _check_token_ids("token_ids", token_ids, length=int(counts.sum()))
-        t = self._tables.append(ids, counts, self.max_seq_len,
-                                token_ids if self.prefix_caching else None)
+        t = None
+        try:
+            t = self._tables.append(ids, counts, self.max_seq_len,
+                                    token_ids if self.prefix_caching else None)
+            full_layers, window_layers = self._pool_layers
+            batch = StepBatch(self, self._generation + 1, ids, t)
+            if full_layers:
+                self._backend.prepare_step(batch._tables)
+            if window_layers:
+                self._backend.prepare_step(batch._window_tables)
+            # the copies last: they write only pages this step took, which the
+            # undo below gives back
+            if len(t["copy_src"]):
+                self._backend.copy_pages(t["copy_src"], t["copy_dst"], full_layers)
+            if window_layers and len(t["window_copy_src"]):
+                self._backend.copy_pages(t["window_copy_src"], t["window_copy_dst"],
+                                         window_layers)
+        except BaseException:
+            # whatever failed after the tables committed (an interrupt, a device
+            # error, MemoryError): nothing of this step stays
+            if t is not None:
+                self._tables.undo_append()
+            raise
         self._generation += 1
-        full_layers, window_layers = self._pool_layers
-        if len(t["copy_src"]):
-            self._backend.copy_pages(t["copy_src"], t["copy_dst"], full_layers)
-        if window_layers and len(t["window_copy_src"]):
-            self._backend.copy_pages(t["window_copy_src"], t["window_copy_dst"], window_layers)
-        batch = StepBatch(self, self._generation, ids, t)
-        if full_layers:
-            self._backend.prepare_step(batch._tables)
-        if window_layers:
-            self._backend.prepare_step(batch._window_tables)
         return batch
 
     def _check_step(self, layer, batch):

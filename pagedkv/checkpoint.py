@@ -5,7 +5,9 @@ cache marks the stamp void when the sequence is truncated below the
 checkpoint, so a restore after the sequence was cut and regrown (its tokens
 there are no longer the checkpoint's) is refused instead of silently
 continuing from other K/V.  Only ``truncate`` does that bookkeeping (over the
-sequence's live checkpoints), so decode steps pay nothing for it.
+sequence's live checkpoints), so decode steps pay nothing for it.  A copy
+(``copy.copy``, ``copy.deepcopy``) is the checkpoint itself, so it is voided
+with it; a checkpoint cannot be pickled (its cache lives in this process).
 """
 import weakref
 from dataclasses import dataclass, field
@@ -35,6 +37,18 @@ class Checkpoint:
     _cache: object = field(default=None, repr=False, compare=False)   # weakref to the cache
     _stamp: Optional[_Stamp] = field(default=None, repr=False, compare=False)
 
+    # A copy must be voided with the original: a new stamp would be one the
+    # cache's book does not know.  A checkpoint is immutable, so a copy is itself.
+    def __copy__(self):
+        return self
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __reduce__(self):
+        raise TypeError("Checkpoint cannot be pickled: it restores only on the cache that "
+                        "made it, in this process")
+
 
 class CheckpointBook:
     """The live checkpoints of one cache's sequences, weakly held."""
@@ -46,27 +60,20 @@ class CheckpointBook:
     def make(self, seq_id, seq_len):
         """A new checkpoint of ``seq_id`` at ``seq_len`` tokens."""
         stamp = _Stamp(seq_len)
-        refs = [r for r in self._stamps.get(seq_id, ()) if r() is not None]
+        refs = [r for r in self._stamps.get(seq_id, ()) if r() is not None and r().valid]
         refs.append(weakref.ref(stamp))
         self._stamps[seq_id] = refs
         return Checkpoint(seq_id, seq_len, self._cache, stamp)
 
-    def truncated(self, seq_id, new_len):
-        """``seq_id`` now has ``new_len`` tokens: void its checkpoints beyond them."""
-        kept = []
-        for ref in self._stamps.get(seq_id, ()):
-            stamp = ref()
-            if stamp is None:
-                continue
-            if stamp.seq_len > new_len:
-                stamp.valid = False
-            else:
-                kept.append(ref)
-        self._stamps[seq_id] = kept
+    def beyond(self, seq_id, new_len):
+        """The stamps of ``seq_id``'s live checkpoints beyond ``new_len`` tokens: the
+        caller voids them (``stamp.valid = False``) once the truncation is done,
+        with no call in between that could fail.  Changes nothing."""
+        stamps = [ref() for ref in self._stamps.get(seq_id, ())]
+        return [s for s in stamps if s is not None and s.valid and s.seq_len > new_len]
 
-    def forget(self, seq_id):
-        """``seq_id`` was freed (its checkpoints then fail as an unknown sequence)."""
-        self._stamps.pop(seq_id, None)
+    # (a freed sequence's entry is dropped by the cache itself: ``_stamps.pop``,
+    # after the sequence is gone, with no call that could fail in between)
 
     def check_owner(self, checkpoint):
         """ValueError unless ``checkpoint`` is this cache's."""

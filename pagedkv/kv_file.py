@@ -446,7 +446,14 @@ def load(cache, path):
         raise OutOfPagesError(f"load: {path}: its sequences need {window_pages} window pages, "
                               f"{cache._window_allocator.num_free} of "
                               f"{cache._window_allocator.num_pages} free in the window pool")
-    if contents.chains is not None and cache.prefix_caching:
-        transfer.add_cached_chains(cache, contents.chains, pages, window_pages)
-    return [transfer.import_sequence(cache, kv, start)
-            for kv, start in zip(contents.sequences, starts)]
+    first_id = cache._tables.next_id
+    try:
+        if contents.chains is not None and cache.prefix_caching:
+            transfer.add_cached_chains(cache, contents.chains, pages, window_pages)
+        return [transfer.import_sequence(cache, kv, start)
+                for kv, start in zip(contents.sequences, starts)]
+    except BaseException:
+        # all or nothing: the sequences placed so far go, ids and all (the
+        # chains entered stay in the prefix cache, as free, evictable pages)
+        cache._tables.undo_adopt(first_id)
+        raise

@@ -395,6 +395,29 @@ def test_a_checkpoint_cannot_lie_after_truncation_and_regrowth(backend):
     h.check_contents()
 
 
+def test_copies_of_a_checkpoint_are_voided_with_it(backend):
+    # (issue 22, item 5: a deep copy still restored after truncation and regrowth)
+    h = Harness(small_cache(backend), num_heads=4)
+    s = h.add()
+    h.step([s], 10)
+    ck = h.cache.checkpoint(s)
+    copies = [copy.copy(ck), copy.deepcopy(ck), copy.deepcopy([ck])[0]]
+    assert all(c == ck for c in copies)
+    with pytest.raises(TypeError, match="Checkpoint cannot be pickled"):
+        pickle.dumps(ck)
+    h.step([s], 3)
+    h.truncate(s, 8)
+    h.step([s], 6)
+    for c in [ck] + copies:
+        with pytest.raises(ValueError, match="truncated below"):
+            h.cache.restore(c)
+    assert h.cache.seq_len(s) == 14
+    fresh = copy.deepcopy(h.cache.checkpoint(s))
+    h.step([s], 2)
+    h.restore(fresh)
+    h.check_contents()
+
+
 def test_a_cache_cannot_be_copied_or_pickled(backend):
     cache = small_cache(backend)
     for make_copy in (copy.copy, copy.deepcopy, pickle.dumps):

@@ -90,6 +90,72 @@ def test_exhaustion_of_either_pool_changes_nothing(backend):
     h.check_contents()
 
 
+def pool_state(cache, seqs):
+    return (cache.num_free_pages, cache.num_free_window_pages,
+            [cache.seq_len(s) for s in seqs], [list(cache.page_ids(s)) for s in seqs],
+            [list(cache.window_page_ids(s)) for s in seqs])
+
+
+def full_window_pool(backend):
+    """A window pool of 6 pages, all held: ``a`` (16 tokens) holds 4, ``p`` 2."""
+    h = make(backend, windows=(None, 4), num_window_pages=6)
+    a, p = h.add(), h.add()
+    h.step([a], 16)
+    h.step([p], 5)
+    assert h.cache.num_free_window_pages == 0 and h.cache.window_page_count(a) == 4
+    return h, a, p
+
+
+def test_a_sequence_without_new_tokens_gives_no_window_pages_back(backend):
+    # (issue 22, item 1: ``a`` with 0 new tokens counted as giving 3 pages back,
+    # and ``s`` was handed page -1)
+    h, a, p = full_window_pool(backend)
+    s = h.add()
+    before = pool_state(h.cache, [a, p, s])
+    with pytest.raises(pagedkv.OutOfPagesError, match="window pool"):
+        h.cache.append([a, s], [0, 8])
+    assert pool_state(h.cache, [a, p, s]) == before
+    h.step([a, s], [1, 4])               # a's token gives back 3 pages, s takes 1 + a 1
+    assert (h.cache.window_page_ids(s) >= 0).all()
+    h.check_contents()
+
+
+def test_pages_a_later_sequence_gives_back_serve_an_earlier_one(backend):
+    # (issue 22, item 1: ``s`` took its pages before ``a`` gave its back, and got -1)
+    h, a, p = full_window_pool(backend)
+    s = h.add()
+    h.step([s, a], [8, 1])               # a gives back 3 pages; s takes 2, a 1
+    assert (h.cache.window_page_ids(s) >= 0).all()
+    assert h.cache.num_free_window_pages == 0
+    h.step([s, a, p], 1)
+    h.check_contents()
+
+
+def test_a_window_pool_that_really_is_too_small_is_refused(backend):
+    h, a, p = full_window_pool(backend)
+    s = h.add()
+    before = pool_state(h.cache, [a, p, s])
+    with pytest.raises(pagedkv.OutOfPagesError, match="window pool"):
+        h.cache.append([s, a], [12, 1])  # 4 new pages, 3 given back, none free
+    assert pool_state(h.cache, [a, p, s]) == before
+    h.check_contents()
+
+
+def test_the_large_example_of_issue_22(backend):
+    cache = pagedkv.PagedKVCache(2, 8, 128, num_pages=64, page_size=64,
+                                 layer_windows=[None, 64], num_window_pages=6, backend=backend)
+    h = Harness(cache)
+    a, p = h.add(), h.add()
+    h.step([a], 256)
+    h.step([p], 67)
+    s = h.add()
+    with pytest.raises(pagedkv.OutOfPagesError, match="window pool"):
+        cache.append([a, s], [0, 192])
+    h.step([s, a], [128, 1])
+    assert (cache.window_page_ids(s) >= 0).all()
+    h.check_contents()
+
+
 def test_fork_shares_window_pages_with_copy_on_write(backend):
     h = make(backend)
     a = h.add()
@@ -154,6 +220,34 @@ def test_restore_past_what_the_window_kept_is_refused(backend):
     recent = h.cache.checkpoint(s)
     h.step([s], 1)
     h.restore(recent)                                # one token back: fine
+    h.check_contents()
+
+
+def test_a_sequence_shorter_than_the_window_rolls_back_anywhere(backend):
+    # (issue 22, item 2: a sequence of 100 tokens under a window of 512 could not
+    # be truncated to 99: nothing was given back, yet the check said so)
+    h = make(backend, windows=(512, None), num_pages=64)
+    s = h.add()
+    h.step([s], 100)
+    h.truncate(s, 99)
+    checkpoint = h.cache.checkpoint(s)
+    h.step([s], 3)
+    h.restore(checkpoint)
+    h.truncate(s, 37)
+    h.step([s], 5)
+    h.check_contents()
+
+
+def test_a_window_beyond_any_length_acts_as_full_attention(backend):
+    # (issue 22, item 8: a window of 2**31 - 1 refused every truncate)
+    h = make(backend, windows=(None, 2**31 - 1))
+    s = h.add()
+    h.step([s], 30)
+    for _ in range(5):
+        h.step([s], 1)
+    assert h.cache.window_page_count(s) == h.cache.page_count(s)   # nothing given back
+    h.truncate(s, 3)
+    h.step([s], 2)
     h.check_contents()
 
 
@@ -366,6 +460,10 @@ def test_prefix_hits_never_return_wrong_k_v_with_windows(backend):
     (dict(layer_windows=[True, None]), TypeError, r"layer_windows\[0\]"),
     (dict(layer_windows="44"), TypeError, "layer_windows"),
     (dict(layer_windows=4), TypeError, "layer_windows"),
+    (dict(layer_windows={0: None, 1: 4}), ValueError, "layer_windows: expected a list"),
+    (dict(layer_windows={5: None, 6: 4}), ValueError, "layer_windows: expected a list"),
+    (dict(layer_windows={None, 4}), ValueError, "layer_windows: expected a list"),
+    (dict(layer_windows=np.array([[4, 4]])), ValueError, "layer_windows: expected a list"),
     (dict(layer_windows=[4, None], num_window_pages=0), ValueError, "num_window_pages"),
     (dict(layer_windows=[4, None], num_window_pages=1.5), TypeError, "num_window_pages"),
     (dict(layer_windows=[4, None], window_rollback_tokens=0), ValueError,
@@ -374,3 +472,11 @@ def test_prefix_hits_never_return_wrong_k_v_with_windows(backend):
 def test_bad_window_arguments(backend, kwargs, error, fragment):
     with pytest.raises(error, match=fragment):
         pagedkv.PagedKVCache(2, 1, 8, num_pages=8, page_size=PS, backend=backend, **kwargs)
+
+
+@pytest.mark.parametrize("windows", [[None, 4], (None, 4), np.array([None, 4], dtype=object),
+                                     np.array([3, 4])])
+def test_layer_windows_as_a_list_tuple_or_array(backend, windows):
+    cache = pagedkv.PagedKVCache(2, 1, 8, num_pages=8, page_size=PS, backend=backend,
+                                 layer_windows=windows)
+    assert cache.layer_windows[1] == 4 and type(cache.layer_windows[1]) is int

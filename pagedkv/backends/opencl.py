@@ -410,9 +410,10 @@ class OpenCLBackend(Backend):
 
     def _flush(self):
         """Launch the store that waits for its layer's attention, if any."""
-        pending, self._pending = self._pending, None
+        pending = self._pending
         if pending is not None:
             self._scatter(pending.layer, pending.tables, pending.k, pending.v)
+            self._pending = None     # only once launched: a failed launch keeps it owed
 
     def prepare_step(self, tables):
         """Upload the step's tables once (``tables.device``); every layer reuses them."""
@@ -504,9 +505,7 @@ class OpenCLBackend(Backend):
         # the layer's store, if it waits, runs in this launch (taken only now
         # that q is ready: a bad q must not lose it)
         fused = self._pending
-        if fused is not None and fused.layer == layer and fused.tables is tables:
-            self._pending = None
-        else:
+        if fused is None or fused.layer != layer or fused.tables is not tables:
             fused = None
             self._flush()
         t = tables.device
@@ -544,6 +543,8 @@ class OpenCLBackend(Backend):
             soft_cap=spec.logits_soft_cap or 0.0, sinks=sinks, has_sinks=spec.sinks is not None,
             out=out_d, part_acc=part_acc, part_max=part_max, part_sum=part_sum,
             loop_counts=loop_counts)]
+        if fused is not None:    # the store is launched: no longer owed
+            self._pending = None
         if plan.num_segments:
             events.append(self._k_merge(
                 self.queue, (plan.num_segments * mwg,), (mwg,),
