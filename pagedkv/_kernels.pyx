@@ -56,9 +56,9 @@ cdef extern from "pkv_block.h" nogil:
     void pkv_block_softmax(float* s, int ld, int nqp, int nt, int nq, const int32_t* lo,
                            const int32_t* hi, float soft_cap, float* run_max, float* run_sum,
                            float* alpha, float* tmp)
-    void pkv_block_accumulate(float* acc, int ld, int nqp, const float* alpha, const float* p,
-                              const float* v, int vs, int nt, int n,
-                              const pkv_block_prefetch* pf)
+    void pkv_block_accumulate(float* acc, int ld, int nqp, int nq, const float* alpha,
+                              const float* p, const float* v, int vs, const int32_t* lo,
+                              const int32_t* hi, int nt, int n, const pkv_block_prefetch* pf)
     void pkv_block_rows(const void* x, int kind, int nrows, int n, const float* scales,
                         float* out, int stride)
 
@@ -113,6 +113,44 @@ cdef inline void page_accumulate(float* acc, const float* alpha, const float* p,
         pkv_accumulate_f16(acc, alpha, p, ld, x, nt, n, pf, queries)
     else:
         pkv_accumulate_i8(acc, alpha, p, ld, x, nt, n, pf, queries)
+
+
+cdef inline void page_accumulate_band(float* acc, const float* alpha, const float* p, int ld,
+                                      const storage_t* x, int nt, int n, pkv_prefetch* pf,
+                                      int q0, int tile, int nq, int group, int64_t first_lo,
+                                      int64_t first_hi) noexcept nogil:
+    """``page_accumulate`` for the tile of queries ``q0 : q0 + tile`` of a page, each
+    over the keys of its band only (``pkv_softmax_page``'s bands; queries past
+    ``nq`` are padding, with any result).
+
+    A weight outside a band is zero, but zero times a NaN or inf value is NaN:
+    the keys every real query of the tile sees go through the tile at once,
+    and each query's other keys alone, so that no masked row is read.
+    ``acc`` [*, n], ``alpha`` [*] and ``p`` [*, ld] are the whole page's."""
+    cdef int qi, last = min(q0 + tile, nq)
+    cdef int64_t lo, hi, all_lo = 0, all_hi = nt
+    cdef float one = 1.0
+    for qi in range(q0, last):
+        all_lo = max(all_lo, first_lo + qi // group)
+        all_hi = min(all_hi, first_hi + qi // group)
+    if all_hi <= all_lo:
+        all_lo = 0      # no key all of them see: each query goes alone
+        all_hi = 0
+    # the shared keys, and the rescale of every query of the tile
+    page_accumulate(acc + q0 * n, alpha + q0, p + q0 * ld + all_lo, ld, x + all_lo * n,
+                    <int>(all_hi - all_lo), n, pf, tile)
+    for qi in range(q0, last):
+        lo = max(first_lo + qi // group, 0)
+        hi = min(first_hi + qi // group, nt)
+        if hi <= lo:
+            continue
+        if lo < all_lo:
+            page_accumulate(acc + qi * n, &one, p + qi * ld + lo, ld, x + lo * n,
+                            <int>(min(hi, all_lo) - lo), n, pf, 1)
+        if all_hi < hi:
+            lo = max(lo, all_hi)
+            page_accumulate(acc + qi * n, &one, p + qi * ld + lo, ld, x + lo * n,
+                            <int>(hi - lo), n, pf, 1)
 
 
 cdef inline storage_t convert(float x, storage_t* dummy) noexcept nogil:
@@ -311,8 +349,9 @@ cdef void attend_item(const float[:, :, ::1] q,
                         scores[qi * ps + t] = scores[qi * ps + t] * row_scales[t]
             for x in range(tiled // tile):
                 qi = x * tile
-                page_accumulate(head_acc + qi * D, alphas + qi, scores + qi * ps, ps,
-                                &v_pool[page, h0 + hh, t0, 0], nt, D, &next_values, tile)
+                page_accumulate_band(head_acc, alphas, scores, ps, &v_pool[page, h0 + hh, t0, 0],
+                                     nt, D, &next_values, qi, tile, nq, group,
+                                     band_lo - first_key, band_hi - first_key)
             # a short page leaves part of the next one unprefetched
             pkv_prefetch_rest(&next_keys)
             pkv_prefetch_rest(&next_values)
@@ -465,7 +504,8 @@ cdef void attend_item_blocks(const float[:, :, ::1] q,
             pkv_block_scores(qt, ld, nqp, krows, nt, D, s, &during_scores)
             block_rows(v_pool, v_scales, pages, h0 + hh, blk0, nt, NULL, v_buf, NULL)
             pkv_block_softmax(s, ld, nqp, nt, nq, lo_t, hi_t, soft_cap, m, l, alpha, tmp)
-            pkv_block_accumulate(acc_t, ld, nqp, alpha, s, v_buf, ks, nt, D, &during_sum)
+            pkv_block_accumulate(acc_t, ld, nqp, nq, alpha, s, v_buf, ks, lo_t, hi_t, nt, D,
+                                 &during_sum)
             blk0 = blk0 + nt
 
         for qi in range(nq4):
