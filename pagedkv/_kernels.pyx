@@ -225,9 +225,9 @@ def gather(storage_t[:, :, :, ::1] pool, const float[:, :, ::1] scales,
 # reads each K/V slice once, straight from the pool, for all query rows and
 # all query heads of the KV group (GQA), keeps a running max and sum per query
 # (online softmax) over the keys of each row's band, and leaves an
-# unnormalised partial result.  While it computes on one page it prefetches
-# the same head's slices of the next page (see pkv_simd.h), so that reading
-# memory and computing overlap.  Long key ranges are split over several items
+# unnormalised partial result.  While it computes on one slice (a page of one
+# head) it prefetches the K/V slices about 32 KiB later in its own reading
+# order (see pkv_simd.h), so that reading memory and computing overlap.  Long key ranges are split over several items
 # so that one long sequence still fills every core (split-K, as in
 # FlashDecoding / vLLM v2); `merge_partials` combines the items of a query
 # block by log-sum-exp, adds the sinks and normalises.
@@ -239,6 +239,10 @@ def aligned_empty(Py_ssize_t n):
     cdef Py_ssize_t skip = (-buf.ctypes.data % 64) // 4
     return buf[skip:skip + n]
 
+
+# Bytes of each pool the page path prefetches ahead of what it reads.
+cdef enum:
+    PREFETCH_AHEAD_BYTES = 32768
 
 #: Queries per KV head from which a work item takes the block path (pkv_block.h).
 BLOCK_MIN_QUERIES = PKV_BLOCK_MIN_QUERIES
@@ -288,6 +292,12 @@ cdef void attend_item(const float[:, :, ::1] q,
     cdef float* scores = queries + heads_per_item * nq4 * D  # [nq4, ps]
     cdef float* alphas = scores + nq4 * ps                   # [nq4]
     cdef long slice_bytes = ps * D * sizeof(storage_t)
+    # Prefetch distance, in slices (one head of one page of one pool): a
+    # fixed number of bytes, not a page of every head, which at page 128
+    # (1 MiB of K and V for 8 heads) was evicted before it was read
+    # (docs/performance-vllm.md).
+    cdef int ahead = <int>((PREFETCH_AHEAD_BYTES + slice_bytes - 1) // slice_bytes)
+    cdef int ahead_page, ahead_head
     cdef pkv_prefetch next_keys, next_values
     cdef const float* qv
     cdef float* head_acc
@@ -320,14 +330,20 @@ cdef void attend_item(const float[:, :, ::1] q,
         t1 = min(key1, (j + 1) * ps) - j * ps
         nt = t1 - t0
         first_key = <int64_t>j * ps + t0
-        next_page = page_indices[page_indptr[b] + j + 1] if j + 1 < last_page else -1
         for hh in range(heads_per_item):
             head_acc = acc + hh * nq4 * D
             head_max = run_max + hh * nq4
             head_sum = run_sum + hh * nq4
-            if next_page >= 0:
-                next_keys = pkv_prefetch_range(&k_pool[next_page, h0 + hh, 0, 0], slice_bytes)
-                next_values = pkv_prefetch_range(&v_pool[next_page, h0 + hh, 0, 0], slice_bytes)
+            # the slice `ahead` slices later in the item's reading order
+            # (page-major, head-minor): about 32 KiB of each pool ahead
+            ahead_page = j + (hh + ahead) // heads_per_item
+            ahead_head = (hh + ahead) % heads_per_item
+            if ahead_page < last_page:
+                next_page = page_indices[page_indptr[b] + ahead_page]
+                next_keys = pkv_prefetch_range(&k_pool[next_page, h0 + ahead_head, 0, 0],
+                                               slice_bytes)
+                next_values = pkv_prefetch_range(&v_pool[next_page, h0 + ahead_head, 0, 0],
+                                                 slice_bytes)
             else:
                 next_keys = pkv_prefetch_range(NULL, 0)
                 next_values = pkv_prefetch_range(NULL, 0)
