@@ -456,30 +456,48 @@ void paged_attention(__global const float* q,              /* [T, num_heads, D] 
             if (tile < out_tiles) {
                 const int qb = tile / PKV_COL_BLOCKS, v0 = (tile % PKV_COL_BLOCKS) * PKV_CB;
                 __local const float* p[PKV_QB];
-                int t_begin = PKV_CHUNK, t_end = 0;
+                int q_lo[PKV_QB], q_hi[PKV_QB];
+                /* the keys some query of the tile sees (t_begin:t_end), and
+                   those all of them see (all_lo:all_hi) */
+                int t_begin = PKV_CHUNK, t_end = 0, all_lo = 0, all_hi = PKV_CHUNK;
                 pkv_vec a[PKV_QB][PKV_CB];
                 PKV_UNROLL
                 for (int j = 0; j < PKV_QB; ++j) {
                     const int qi = PKV_MIN(qb * PKV_QB + j, nq - 1);
                     p[j] = scores + qi * PKV_CHUNK;
-                    t_begin = PKV_MIN(t_begin, vis_lo[qi]);
-                    t_end = PKV_MAX(t_end, vis_hi[qi]);
+                    q_lo[j] = vis_lo[qi];
+                    q_hi[j] = vis_hi[qi];
+                    t_begin = PKV_MIN(t_begin, q_lo[j]);
+                    t_end = PKV_MAX(t_end, q_hi[j]);
+                    all_lo = PKV_MAX(all_lo, q_lo[j]);
+                    all_hi = PKV_MIN(all_hi, q_hi[j]);
                     const float alpha = rescale[qi];
                     PKV_UNROLL
                     for (int c = 0; c < PKV_CB; ++c) a[j][c] = acc[k][j][c] * alpha;
                 }
-                for (int t = t_begin; t < t_end; ++t) {
-                    const pkv_v_row vr = PKV_V_ROW(t);
-                    pkv_vec vv[PKV_CB];
-                    PKV_UNROLL
-                    for (int c = 0; c < PKV_CB; ++c) vv[c] = PKV_V_VEC(vr, v0 + c);
-                    PKV_UNROLL
-                    for (int j = 0; j < PKV_QB; ++j) {
-                        const float pj = p[j][t];
-                        PKV_UNROLL
-                        for (int c = 0; c < PKV_CB; ++c) a[j][c] += pj * vv[c];
-                    }
+                if (all_hi <= all_lo) all_lo = all_hi = t_end;
+                /* A masked weight is 0, but 0 times a NaN or inf value is NaN:
+                   outside all_lo:all_hi a product counts only for the queries
+                   that see the key, chosen by select, not multiplied by 0. */
+#define PKV_ACCUMULATE_KEYS(from, to, masked)                                        \
+                for (int t = (from); t < (to); ++t) {                                \
+                    const pkv_v_row vr = PKV_V_ROW(t);                               \
+                    pkv_vec vv[PKV_CB];                                              \
+                    PKV_UNROLL                                                       \
+                    for (int c = 0; c < PKV_CB; ++c) vv[c] = PKV_V_VEC(vr, v0 + c);  \
+                    PKV_UNROLL                                                       \
+                    for (int j = 0; j < PKV_QB; ++j) {                               \
+                        const float pj = p[j][t];                                    \
+                        const bool seen = !(masked) || (q_lo[j] <= t && t < q_hi[j]); \
+                        PKV_UNROLL                                                   \
+                        for (int c = 0; c < PKV_CB; ++c)                             \
+                            a[j][c] += seen ? pj * vv[c] : (pkv_vec)(0.0f);          \
+                    }                                                                \
                 }
+                PKV_ACCUMULATE_KEYS(t_begin, all_lo, 1)
+                PKV_ACCUMULATE_KEYS(all_lo, all_hi, 0)
+                PKV_ACCUMULATE_KEYS(all_hi, t_end, 1)
+#undef PKV_ACCUMULATE_KEYS
                 PKV_UNROLL
                 for (int j = 0; j < PKV_QB; ++j)
                     PKV_UNROLL

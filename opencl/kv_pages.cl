@@ -57,8 +57,7 @@ __kernel void gather_kv_int8(__global const char* k_pool, __global const char* v
     for (int pool = 0; pool < 2; ++pool) {
         __global const char* values = pool ? v_pool : k_pool;
         const float s = ok ? (pool ? v_scales : k_scales)[src / PKV_D] : 0.0f;
-        for (int d = 0; d < PKV_D; ++d) row[d] = ok ? (float)values[src + d] * s : 0.0f;
-        pkv_rotate(row);
+        pkv_dequantize(values + src, s, row);
         __global float* out = pool ? v_out : k_out;
         for (int d = 0; d < PKV_D; ++d) out[gid * PKV_D + d] = row[d];
     }

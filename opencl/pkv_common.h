@@ -178,8 +178,24 @@ PKV_DEFINE_EXP(pkv_exp, float, int, as_float, as_int)
  * the device has it, round to nearest even), so that both backends store
  * the same bits. */
 
-/* x[0:PKV_D] <- its blocks times the orthonormal Hadamard matrix (its own inverse). */
-inline void pkv_rotate(float* x) {
+/* Rows whose largest magnitude reaches 2**64 are rotated scaled by 2**-64
+ * (exact), as pkv_quant.h explains: a block's butterflies would overflow. */
+#define PKV_ROTATE_BIG 0x1p64f
+#define PKV_ROTATE_SMALL 0x1p-64f
+
+/* max |x[i]|, i < PKV_D (NaN ignored). */
+inline float pkv_row_amax(const float* x) {
+    float amax = 0.0f;
+    for (int i = 0; i < PKV_D; ++i) {
+        const float a = fabs(x[i]);
+        amax = a > amax ? a : amax;
+    }
+    return amax;
+}
+
+/* x[0:PKV_D] <- its blocks times the orthonormal Hadamard matrix, with no
+ * precaution against overflow. */
+inline void pkv_rotate_raw(float* x) {
 #pragma OPENCL FP_CONTRACT OFF
 #if PKV_ROTATION_BLOCK > 1
     for (int b0 = 0; b0 < PKV_D; b0 += PKV_ROTATION_BLOCK)
@@ -194,22 +210,59 @@ inline void pkv_rotate(float* x) {
 #endif
 }
 
-/* The rotated row y = x (in place) as int8 q = round(y / s), s = max |y| / 127; returns s. */
+/* x[0:PKV_D] <- its blocks times the orthonormal Hadamard matrix (its own
+ * inverse); overflows only where the result does. */
+inline void pkv_rotate(float* x) {
+#pragma OPENCL FP_CONTRACT OFF
+#if PKV_ROTATION_BLOCK > 1
+    const bool big = pkv_row_amax(x) >= PKV_ROTATE_BIG;
+    if (big)
+        for (int i = 0; i < PKV_D; ++i) x[i] *= PKV_ROTATE_SMALL;
+    pkv_rotate_raw(x);
+    if (big)
+        for (int i = 0; i < PKV_D; ++i) x[i] *= PKV_ROTATE_BIG;
+#endif
+}
+
+/* The rotated row y = x (in place) as int8 q = round(y / s), s = max |y| / 127;
+ * returns s (finite for a finite row: a row from 2**64 goes scaled, as in
+ * pkv_quant.h, and x is left scaled). */
 inline float pkv_quantize(float* x, __global char* q) {
 #pragma OPENCL FP_CONTRACT OFF
-    pkv_rotate(x);
-    float amax = 0.0f;
-    for (int i = 0; i < PKV_D; ++i) {
-        const float a = fabs(x[i]);
-        amax = a > amax ? a : amax;
-    }
-    const float s = amax / 127.0f;
+#if PKV_ROTATION_BLOCK > 1
+    const bool big = pkv_row_amax(x) >= PKV_ROTATE_BIG;
+    if (big)
+        for (int i = 0; i < PKV_D; ++i) x[i] *= PKV_ROTATE_SMALL;
+#else
+    const bool big = false;
+#endif
+    pkv_rotate_raw(x);
+    const float s = pkv_row_amax(x) / 127.0f;
     for (int i = 0; i < PKV_D; ++i) {
         float v = s > 0.0f ? x[i] / s : 0.0f;
         v = v != v ? 0.0f : (v < -127.0f ? -127.0f : (v > 127.0f ? 127.0f : v));
         q[i] = (char)rint(v);
     }
-    return s;
+    return big ? s * PKV_ROTATE_BIG : s;
+}
+
+/* row[0:PKV_D] = the int8 row q * s rotated back (pkv_dequantize of
+ * pkv_quant.h: scaled from s = 2**56, clamped to +-FLT_MAX). */
+inline void pkv_dequantize(__global const char* q, const float s, float* row) {
+#pragma OPENCL FP_CONTRACT OFF
+#if PKV_ROTATION_BLOCK > 1
+    const bool big = s >= 0x1p56f;
+#else
+    const bool big = false;
+#endif
+    const float s_row = big ? s * PKV_ROTATE_SMALL : s;
+    for (int d = 0; d < PKV_D; ++d) row[d] = (float)q[d] * s_row;
+    pkv_rotate_raw(row);
+    if (big)
+        for (int d = 0; d < PKV_D; ++d) {
+            const float x = row[d] * PKV_ROTATE_BIG;
+            row[d] = x > FLT_MAX ? FLT_MAX : (x < -FLT_MAX ? -FLT_MAX : x);
+        }
 }
 
 /* Element offset of row `offset` (token within page) of `head` in `page`. */

@@ -56,9 +56,9 @@ cdef extern from "pkv_block.h" nogil:
     void pkv_block_softmax(float* s, int ld, int nqp, int nt, int nq, const int32_t* lo,
                            const int32_t* hi, float soft_cap, float* run_max, float* run_sum,
                            float* alpha, float* tmp)
-    void pkv_block_accumulate(float* acc, int ld, int nqp, const float* alpha, const float* p,
-                              const float* v, int vs, int nt, int n,
-                              const pkv_block_prefetch* pf)
+    void pkv_block_accumulate(float* acc, int ld, int nqp, int nq, const float* alpha,
+                              const float* p, const float* v, int vs, const int32_t* lo,
+                              const int32_t* hi, int nt, int n, const pkv_block_prefetch* pf)
     void pkv_block_rows(const void* x, int kind, int nrows, int n, const float* scales,
                         float* out, int stride)
 
@@ -113,6 +113,44 @@ cdef inline void page_accumulate(float* acc, const float* alpha, const float* p,
         pkv_accumulate_f16(acc, alpha, p, ld, x, nt, n, pf, queries)
     else:
         pkv_accumulate_i8(acc, alpha, p, ld, x, nt, n, pf, queries)
+
+
+cdef inline void page_accumulate_band(float* acc, const float* alpha, const float* p, int ld,
+                                      const storage_t* x, int nt, int n, pkv_prefetch* pf,
+                                      int q0, int tile, int nq, int group, int64_t first_lo,
+                                      int64_t first_hi) noexcept nogil:
+    """``page_accumulate`` for the tile of queries ``q0 : q0 + tile`` of a page, each
+    over the keys of its band only (``pkv_softmax_page``'s bands; queries past
+    ``nq`` are padding, with any result).
+
+    A weight outside a band is zero, but zero times a NaN or inf value is NaN:
+    the keys every real query of the tile sees go through the tile at once,
+    and each query's other keys alone, so that no masked row is read.
+    ``acc`` [*, n], ``alpha`` [*] and ``p`` [*, ld] are the whole page's."""
+    cdef int qi, last = min(q0 + tile, nq)
+    cdef int64_t lo, hi, all_lo = 0, all_hi = nt
+    cdef float one = 1.0
+    for qi in range(q0, last):
+        all_lo = max(all_lo, first_lo + qi // group)
+        all_hi = min(all_hi, first_hi + qi // group)
+    if all_hi <= all_lo:
+        all_lo = 0      # no key all of them see: each query goes alone
+        all_hi = 0
+    # the shared keys, and the rescale of every query of the tile
+    page_accumulate(acc + q0 * n, alpha + q0, p + q0 * ld + all_lo, ld, x + all_lo * n,
+                    <int>(all_hi - all_lo), n, pf, tile)
+    for qi in range(q0, last):
+        lo = max(first_lo + qi // group, 0)
+        hi = min(first_hi + qi // group, nt)
+        if hi <= lo:
+            continue
+        if lo < all_lo:
+            page_accumulate(acc + qi * n, &one, p + qi * ld + lo, ld, x + lo * n,
+                            <int>(min(hi, all_lo) - lo), n, pf, 1)
+        if all_hi < hi:
+            lo = max(lo, all_hi)
+            page_accumulate(acc + qi * n, &one, p + qi * ld + lo, ld, x + lo * n,
+                            <int>(hi - lo), n, pf, 1)
 
 
 cdef inline storage_t convert(float x, storage_t* dummy) noexcept nogil:
@@ -187,9 +225,9 @@ def gather(storage_t[:, :, :, ::1] pool, const float[:, :, ::1] scales,
 # reads each K/V slice once, straight from the pool, for all query rows and
 # all query heads of the KV group (GQA), keeps a running max and sum per query
 # (online softmax) over the keys of each row's band, and leaves an
-# unnormalised partial result.  While it computes on one page it prefetches
-# the same head's slices of the next page (see pkv_simd.h), so that reading
-# memory and computing overlap.  Long key ranges are split over several items
+# unnormalised partial result.  While it computes on one slice (a page of one
+# head) it prefetches the K/V slices about 32 KiB later in its own reading
+# order (see pkv_simd.h), so that reading memory and computing overlap.  Long key ranges are split over several items
 # so that one long sequence still fills every core (split-K, as in
 # FlashDecoding / vLLM v2); `merge_partials` combines the items of a query
 # block by log-sum-exp, adds the sinks and normalises.
@@ -201,6 +239,10 @@ def aligned_empty(Py_ssize_t n):
     cdef Py_ssize_t skip = (-buf.ctypes.data % 64) // 4
     return buf[skip:skip + n]
 
+
+# Bytes of each pool the page path prefetches ahead of what it reads.
+cdef enum:
+    PREFETCH_AHEAD_BYTES = 32768
 
 #: Queries per KV head from which a work item takes the block path (pkv_block.h).
 BLOCK_MIN_QUERIES = PKV_BLOCK_MIN_QUERIES
@@ -250,6 +292,12 @@ cdef void attend_item(const float[:, :, ::1] q,
     cdef float* scores = queries + heads_per_item * nq4 * D  # [nq4, ps]
     cdef float* alphas = scores + nq4 * ps                   # [nq4]
     cdef long slice_bytes = ps * D * sizeof(storage_t)
+    # Prefetch distance, in slices (one head of one page of one pool): a
+    # fixed number of bytes, not a page of every head, which at page 128
+    # (1 MiB of K and V for 8 heads) was evicted before it was read
+    # (docs/performance-vllm.md).
+    cdef int ahead = <int>((PREFETCH_AHEAD_BYTES + slice_bytes - 1) // slice_bytes)
+    cdef int ahead_page, ahead_head
     cdef pkv_prefetch next_keys, next_values
     cdef const float* qv
     cdef float* head_acc
@@ -282,14 +330,20 @@ cdef void attend_item(const float[:, :, ::1] q,
         t1 = min(key1, (j + 1) * ps) - j * ps
         nt = t1 - t0
         first_key = <int64_t>j * ps + t0
-        next_page = page_indices[page_indptr[b] + j + 1] if j + 1 < last_page else -1
         for hh in range(heads_per_item):
             head_acc = acc + hh * nq4 * D
             head_max = run_max + hh * nq4
             head_sum = run_sum + hh * nq4
-            if next_page >= 0:
-                next_keys = pkv_prefetch_range(&k_pool[next_page, h0 + hh, 0, 0], slice_bytes)
-                next_values = pkv_prefetch_range(&v_pool[next_page, h0 + hh, 0, 0], slice_bytes)
+            # the slice `ahead` slices later in the item's reading order
+            # (page-major, head-minor): about 32 KiB of each pool ahead
+            ahead_page = j + (hh + ahead) // heads_per_item
+            ahead_head = (hh + ahead) % heads_per_item
+            if ahead_page < last_page:
+                next_page = page_indices[page_indptr[b] + ahead_page]
+                next_keys = pkv_prefetch_range(&k_pool[next_page, h0 + ahead_head, 0, 0],
+                                               slice_bytes)
+                next_values = pkv_prefetch_range(&v_pool[next_page, h0 + ahead_head, 0, 0],
+                                                 slice_bytes)
             else:
                 next_keys = pkv_prefetch_range(NULL, 0)
                 next_values = pkv_prefetch_range(NULL, 0)
@@ -311,8 +365,9 @@ cdef void attend_item(const float[:, :, ::1] q,
                         scores[qi * ps + t] = scores[qi * ps + t] * row_scales[t]
             for x in range(tiled // tile):
                 qi = x * tile
-                page_accumulate(head_acc + qi * D, alphas + qi, scores + qi * ps, ps,
-                                &v_pool[page, h0 + hh, t0, 0], nt, D, &next_values, tile)
+                page_accumulate_band(head_acc, alphas, scores, ps, &v_pool[page, h0 + hh, t0, 0],
+                                     nt, D, &next_values, qi, tile, nq, group,
+                                     band_lo - first_key, band_hi - first_key)
             # a short page leaves part of the next one unprefetched
             pkv_prefetch_rest(&next_keys)
             pkv_prefetch_rest(&next_values)
@@ -465,7 +520,8 @@ cdef void attend_item_blocks(const float[:, :, ::1] q,
             pkv_block_scores(qt, ld, nqp, krows, nt, D, s, &during_scores)
             block_rows(v_pool, v_scales, pages, h0 + hh, blk0, nt, NULL, v_buf, NULL)
             pkv_block_softmax(s, ld, nqp, nt, nq, lo_t, hi_t, soft_cap, m, l, alpha, tmp)
-            pkv_block_accumulate(acc_t, ld, nqp, alpha, s, v_buf, ks, nt, D, &during_sum)
+            pkv_block_accumulate(acc_t, ld, nqp, nq, alpha, s, v_buf, ks, lo_t, hi_t, nt, D,
+                                 &during_sum)
             blk0 = blk0 + nt
 
         for qi in range(nq4):

@@ -190,12 +190,20 @@ PKV_INLINE void pkv_block_scores_any(const float *restrict qt, int ld, int nqp,
 /* -- accumulate: acc[i][q] = alpha[q] * acc[i][q] + sum over t of s[t][q] * v[t][i] */
 
 #if PKV_VECTOR
+typedef int32_t pkv_ivec __attribute__((vector_size(PKV_LANES * 4), aligned(4)));
+
 /* One tile: PKV_TILE_VECS query vectors x `cols` output columns i0 : i0 + cols
- * (cols constant at each call), over the nt keys. */
+ * (cols constant at each call), over the keys t0 : t1.  Every query of the
+ * tile sees the keys plain0 : plain1 (t0 <= plain0 <= plain1 <= t1); for the
+ * others a product counts only where lo[q] <= t < hi[q]: a masked weight is
+ * zero, but zero times a NaN or inf value is NaN, so the product is dropped
+ * by a bit mask rather than multiplied by 0. */
 PKV_INLINE void pkv_block_accumulate_tile(float *restrict acc, int ld,
                                           const float *restrict alpha,
                                           const float *restrict p,
-                                          const float *restrict values, int vs, int nt, int i0,
+                                          const float *restrict values, int vs,
+                                          const int32_t *restrict lo, const int32_t *restrict hi,
+                                          int t0, int plain0, int plain1, int t1, int i0,
                                           int cols) {
     pkv_vec a[PKV_TILE_COLS][PKV_TILE_VECS];
     for (int v = 0; v < PKV_TILE_VECS; v++) {
@@ -203,7 +211,25 @@ PKV_INLINE void pkv_block_accumulate_tile(float *restrict acc, int ld,
         for (int j = 0; j < cols; j++)
             a[j][v] = *(const pkv_vec *)(acc + (long)(i0 + j) * ld + v * PKV_LANES) * rescale;
     }
-    for (int t = 0; t < nt; t++) {
+#define PKV_ACC_MASKED(from, to)                                                       \
+    for (int t = (from); t < (to); t++) {                                              \
+        const float *x = values + (long)t * vs + i0;                                   \
+        pkv_vec pv[PKV_TILE_VECS];                                                     \
+        pkv_ivec seen[PKV_TILE_VECS];                                                  \
+        for (int v = 0; v < PKV_TILE_VECS; v++) {                                      \
+            const pkv_ivec tv = (pkv_ivec){0} + t;                                     \
+            pv[v] = *(const pkv_vec *)(p + (long)t * ld + v * PKV_LANES);              \
+            seen[v] = (tv >= *(const pkv_ivec *)(lo + v * PKV_LANES)) &                \
+                      (tv < *(const pkv_ivec *)(hi + v * PKV_LANES));                  \
+        }                                                                              \
+        for (int j = 0; j < cols; j++) {                                               \
+            const float b = x[j];                                                      \
+            for (int v = 0; v < PKV_TILE_VECS; v++)                                    \
+                a[j][v] += (pkv_vec)((pkv_ivec)(b * pv[v]) & seen[v]);                 \
+        }                                                                              \
+    }
+    PKV_ACC_MASKED(t0, plain0)
+    for (int t = plain0; t < plain1; t++) {
         const float *x = values + (long)t * vs + i0;
         pkv_vec pv[PKV_TILE_VECS];
         for (int v = 0; v < PKV_TILE_VECS; v++) {
@@ -215,19 +241,25 @@ PKV_INLINE void pkv_block_accumulate_tile(float *restrict acc, int ld,
             for (int v = 0; v < PKV_TILE_VECS; v++) a[j][v] += b * pv[v];
         }
     }
+    PKV_ACC_MASKED(plain1, t1)
+#undef PKV_ACC_MASKED
     for (int j = 0; j < cols; j++)
         for (int v = 0; v < PKV_TILE_VECS; v++)
             *(pkv_vec *)(acc + (long)(i0 + j) * ld + v * PKV_LANES) = a[j][v];
 }
 #endif
 
-/* acc[i * ld + q] = alpha[q] * acc[i * ld + q] + sum over t < nt of
- * p[t * ld + q] * v[t * vs + i], for i < n, q < nqp.  The prefetches go with
- * the first query tile's column tiles. */
-PKV_INLINE void pkv_block_accumulate_any(float *restrict acc, int ld, int nqp,
+/* acc[i * ld + q] = alpha[q] * acc[i * ld + q] + sum over the keys t that
+ * query q sees, lo[q] <= t < hi[q] (0 <= lo <= hi <= nt), of
+ * p[t * ld + q] * v[t * vs + i], for i < n and the nq real queries (those
+ * past nq, up to nqp, are padding: any result).  A key a query does not see
+ * never enters its sum, whatever its value row holds.  The prefetches go
+ * with the first query tile's column tiles. */
+PKV_INLINE void pkv_block_accumulate_any(float *restrict acc, int ld, int nqp, int nq,
                                          const float *restrict alpha, const float *restrict p,
-                                         const float *restrict v, int vs, int nt, int n,
-                                         const pkv_block_prefetch *pf) {
+                                         const float *restrict v, int vs,
+                                         const int32_t *restrict lo, const int32_t *restrict hi,
+                                         int nt, int n, const pkv_block_prefetch *pf) {
 #if PKV_VECTOR
     const int tiles = (n + PKV_TILE_COLS - 1) / PKV_TILE_COLS;
     /* A last tile of under half the width has too few accumulators to hide
@@ -237,19 +269,33 @@ PKV_INLINE void pkv_block_accumulate_any(float *restrict acc, int ld, int nqp,
     const int split = rest > 0 && rest < PKV_TILE_COLS / 2 && n > PKV_TILE_COLS;
     const int full_end = (n / PKV_TILE_COLS - split) * PKV_TILE_COLS;
     for (int q0 = 0; q0 < nqp; q0 += PKV_QUERY_TILE) {
+        /* the keys some real query of the tile sees (t0 : t1) and those all
+         * of them see (plain0 : plain1): only the rest need the mask */
+        int t0 = nt, t1 = 0, plain0 = 0, plain1 = nt;
+        for (int q = q0; q < q0 + PKV_QUERY_TILE && q < nq; q++) {
+            if (lo[q] < hi[q]) {
+                t0 = lo[q] < t0 ? lo[q] : t0;
+                t1 = hi[q] > t1 ? hi[q] : t1;
+            }
+            plain0 = lo[q] > plain0 ? lo[q] : plain0;
+            plain1 = hi[q] < plain1 ? hi[q] : plain1;
+        }
+        if (t1 < t0) t0 = t1 = 0;
+        if (plain1 <= plain0) plain0 = plain1 = t1;
+        const int32_t *tlo = lo + q0, *thi = hi + q0;
+#define PKV_ACC_ARGS(w) acc + q0, ld, alpha + q0, p + q0, v, vs, tlo, thi, t0, plain0, \
+                        plain1, t1, i, w
         int i = 0;
         for (; i < full_end; i += PKV_TILE_COLS) {
             if (q0 == 0) pkv_block_prefetch_part(pf, i / PKV_TILE_COLS, tiles);
-            pkv_block_accumulate_tile(acc + q0, ld, alpha + q0, p + q0, v, vs, nt, i,
-                                      PKV_TILE_COLS);
+            pkv_block_accumulate_tile(PKV_ACC_ARGS(PKV_TILE_COLS));
         }
         for (int part = full_end / PKV_TILE_COLS; q0 == 0 && part < tiles; part++)
             pkv_block_prefetch_part(pf, part, tiles);
         if (split) {
             const int half = (PKV_TILE_COLS + rest) / 2;
             switch (half) {
-#define PKV_ACC_HALF(w) case w: pkv_block_accumulate_tile(acc + q0, ld, alpha + q0, p + q0, \
-                                    v, vs, nt, i, w); break;
+#define PKV_ACC_HALF(w) case w: pkv_block_accumulate_tile(PKV_ACC_ARGS(w)); break;
             PKV_ACC_HALF(2) PKV_ACC_HALF(3) PKV_ACC_HALF(4)
 #if PKV_TILE_COLS > 4
             PKV_ACC_HALF(5)
@@ -260,19 +306,21 @@ PKV_INLINE void pkv_block_accumulate_any(float *restrict acc, int ld, int nqp,
             i += half;
         }
         switch (n - i) {
-#define PKV_ACC_TAIL(w) case w: pkv_block_accumulate_tile(acc + q0, ld, alpha + q0, p + q0, \
-                                    v, vs, nt, i, w); break;
+#define PKV_ACC_TAIL(w) case w: pkv_block_accumulate_tile(PKV_ACC_ARGS(w)); break;
         PKV_TAIL_WIDTHS(PKV_ACC_TAIL)
 #undef PKV_ACC_TAIL
+#undef PKV_ACC_ARGS
         default: break;
         }
     }
 #else
     (void)pf;
+    (void)nqp;
+    (void)nt;
     for (int i = 0; i < n; i++)
-        for (int q = 0; q < nqp; q++) {
+        for (int q = 0; q < nq; q++) {
             float a = acc[(long)i * ld + q] * alpha[q];
-            for (int t = 0; t < nt; t++) a += p[(long)t * ld + q] * v[(long)t * vs + i];
+            for (int t = lo[q]; t < hi[q]; t++) a += p[(long)t * ld + q] * v[(long)t * vs + i];
             acc[(long)i * ld + q] = a;
         }
 #endif
@@ -285,9 +333,10 @@ PKV_NOINLINE void pkv_block_scores(const float *qt, int ld, int nqp, const float
     PKV_WITH_HEAD_DIM(PKV_BLOCK_SCORES_CALL)
 }
 #define PKV_BLOCK_ACCUMULATE_CALL(N) \
-    pkv_block_accumulate_any(acc, ld, nqp, alpha, p, v, vs, nt, N, pf)
-PKV_NOINLINE void pkv_block_accumulate(float *acc, int ld, int nqp, const float *alpha,
-                                       const float *p, const float *v, int vs, int nt, int n,
+    pkv_block_accumulate_any(acc, ld, nqp, nq, alpha, p, v, vs, lo, hi, nt, N, pf)
+PKV_NOINLINE void pkv_block_accumulate(float *acc, int ld, int nqp, int nq, const float *alpha,
+                                       const float *p, const float *v, int vs,
+                                       const int32_t *lo, const int32_t *hi, int nt, int n,
                                        const pkv_block_prefetch *pf) {
     PKV_WITH_HEAD_DIM(PKV_BLOCK_ACCUMULATE_CALL)
 }

@@ -7,8 +7,9 @@
  * as they are loaded.
  *
  * Both kernels stream one page's K or V slice straight from the pool, and
- * while they compute they prefetch the next page's slice into L2 a few cache
- * lines per inner iteration (`pkv_prefetch`).  Spreading the prefetches over
+ * while they compute they prefetch a later slice (the caller's choice: about
+ * 32 KiB ahead in its reading order) into L2 a few cache lines per inner
+ * iteration (`pkv_prefetch`).  Spreading the prefetches over
  * the compute, instead of issuing them in a burst or relying on the hardware
  * prefetcher, is what lets the DRAM stream and the arithmetic overlap in the
  * benchmark's decode, where copying each page before computing, or no

@@ -220,3 +220,56 @@ def test_unknown_dtype_names_the_accepted_ones(backend):
     with pytest.raises(TypeError, match="kv_rotation"):
         pagedkv.PagedKVCache(1, 1, 8, num_pages=4, dtype="int8", kv_rotation="yes",
                              backend=backend)
+
+
+def extreme_rows(head_dim, rng):
+    """Rows [n, 1, head_dim] at the ends of float32's range: whole rows of up to
+    +-3e38 (their rotation exceeds float32), rows with one such element, tiny
+    and denormal rows, and all-zero rows."""
+    signs = rng.choice([-1.0, 1.0], (head_dim,))
+    rows = [signs * 3e38, np.full(head_dim, 3e38), np.full(head_dim, -1e38),
+            rng.uniform(-3e38, 3e38, head_dim), rng.standard_normal(head_dim) * 1e37,
+            rng.standard_normal(head_dim) * 2**64, rng.standard_normal(head_dim) * 2**57]
+    one = rng.standard_normal(head_dim)
+    one[3] = -3e38
+    rows += [one, rng.standard_normal(head_dim) * 1e-30, rng.standard_normal(head_dim) * 1e-38,
+             rng.standard_normal(head_dim) * 1e-40, np.zeros(head_dim)]
+    return np.asarray(rows, np.float32)[:, None, :]
+
+
+@pytest.mark.parametrize("head_dim", [64, 80, 128])
+def test_rows_at_the_ends_of_float32_read_back_finite(backend, head_dim):
+    rows = extreme_rows(head_dim, np.random.default_rng(head_dim))
+    cache = pagedkv.PagedKVCache(1, 1, head_dim, num_pages=4, page_size=16, dtype="int8",
+                                 backend=backend)
+    s = cache.add_sequence()
+    cache.store(0, cache.append([s], len(rows)), rows, rows[::-1].copy())
+    got_k, got_v = cache.gather(0, s)
+    for got, want in ((got_k, rows), (got_v, rows[::-1])):
+        assert np.isfinite(got).all()
+        zero = ~want.any(axis=-1)
+        np.testing.assert_array_equal(got[zero], 0.0)
+        # denormal rows hold fewer bits than int8 levels: their error is absolute
+        err = np.linalg.norm(np.float64(got) - want, axis=-1)
+        bound = 0.012 * np.linalg.norm(np.float64(want), axis=-1) + head_dim * 2.0**-149
+        assert (err[~zero] <= bound[~zero]).all(), (err / np.maximum(bound, 1e-300)).max()
+
+
+def test_attention_over_rows_near_the_top_of_float32(backend):
+    # rows of one value repeated: the rotation adds them all up (past float32's
+    # range midway, as the butterflies run), the rotated rows keep their norm
+    h = make(backend, num_kv_heads=1, head_dim=64, group=2, page_size=4)
+    rng = np.random.default_rng(3)
+    s = h.add()
+    batch = h.cache.append([s], 10)
+    k = rng.standard_normal((10, 1, 64)).astype(np.float32)
+    v = rng.standard_normal((10, 1, 64)).astype(np.float32)
+    k[[1, 4, 7]] = np.float32([1e37, -1e37, 1e37])[:, None, None]   # logits of about 1e37
+    v[[2, 5, 8]] = np.float32([2e37, -2e37, 2e37])[:, None, None]
+    q = rng.standard_normal((10, 2, 64)).astype(np.float32)
+    h.cache.store(0, batch, k, v)
+    h.record(0, [s], [10], k, v)
+    out = h.cache.attention(0, batch, q)
+    assert np.isfinite(out).all()
+    np.testing.assert_allclose(out, h.ref.attention(0, [s], [10], q), rtol=2e-5,
+                               atol=2e-5 * 2e37)

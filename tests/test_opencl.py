@@ -683,3 +683,18 @@ def test_program_and_context_caches_can_be_cleared(cl_device):
     k = np.ones((3, 2, 32), np.float32)
     h.store(0, batch, k, k)
     np.testing.assert_allclose(h.attention(0, batch, np.ones((3, 2, 32))), 1.0)
+
+
+@needs_opencl
+def test_int8_rows_at_the_ends_of_float32_store_the_same_bits(cl_device):
+    from test_int8 import extreme_rows
+    rows = extreme_rows(64, np.random.default_rng(0))
+    kept = []
+    for backend, device in (("host", None), ("opencl", cl_device)):
+        cache = pagedkv.PagedKVCache(1, 1, 64, num_pages=4, page_size=16, dtype="int8",
+                                     backend=backend, device=device)
+        s = cache.add_sequence()
+        cache.store(0, cache.append([s], len(rows)), rows, rows[::-1].copy())
+        kept.append(cache.gather(0, s))
+    for a, b in zip(*kept):
+        assert a.tobytes() == b.tobytes()
