@@ -230,3 +230,36 @@ def test_chunked_decode_reads_only_its_chunk(backend):
     plan = batch._tables.plan(None, 2, spec.band)
     items = plan.host_items if hasattr(plan, "host_items") else plan.items
     assert items[:, ITEM.KEY0].min() == 2048 and items[:, ITEM.KEY1].max() == 3001
+
+
+@pytest.mark.parametrize("hide", ["pages", "positions"])
+def test_positions_before_every_chunk_are_never_read(backend, hide):
+    """NaN K/V before the chunk of every query of the step (whole pages, or every
+    position before the chunk's start): results stay finite and right."""
+    ps, chunk = 16, 48
+    cache = pagedkv.PagedKVCache(1, 2, 32, num_pages=64, page_size=ps, backend=backend)
+    rng = np.random.default_rng(5)
+    a, b = cache.add_sequence(), cache.add_sequence()
+    lengths = [200, 100]               # the step's rows: 200..202 and 100..102
+    k = [rng.standard_normal((n + 3, 2, 32), dtype=np.float32) for n in lengths]
+    v = [rng.standard_normal((n + 3, 2, 32), dtype=np.float32) for n in lengths]
+    for kk, vv, n in zip(k, v, lengths):
+        first_seen = n // chunk * chunk
+        hidden = first_seen // ps * ps if hide == "pages" else first_seen
+        kk[:hidden] = np.nan
+        vv[:hidden] = np.nan
+    batch = cache.append([a, b], lengths)
+    cache.store(0, batch, np.concatenate([kk[:n] for kk, n in zip(k, lengths)]),
+                np.concatenate([vv[:n] for vv, n in zip(v, lengths)]))
+    batch = cache.append([a, b], 3)
+    cache.store(0, batch, np.concatenate([kk[n:] for kk, n in zip(k, lengths)]),
+                np.concatenate([vv[n:] for vv, n in zip(v, lengths)]))
+    q = rng.standard_normal((6, 4, 32), dtype=np.float32)
+    for variant in (dict(attention_chunk_size=chunk),
+                    dict(attention_chunk_size=chunk, sliding_window=30, sinks=sinks_for(4))):
+        out = cache.attention(0, batch, q, **variant)
+        assert np.isfinite(out).all()
+        for i, n in enumerate(lengths):
+            expected = dense_attention(q[3 * i:3 * i + 3], k[i], v[i], np.arange(n, n + 3),
+                                       **variant)
+            np.testing.assert_allclose(out[3 * i:3 * i + 3], expected, **TOLERANCE["float32"])

@@ -66,7 +66,7 @@ def _header_list(file_name, macro):
             except RuntimeError:
                 pass
         raise RuntimeError(f"{file_name} has no '#define {macro}(X) ...' line")
-    names = []
+    names: list = []
     for name, nested in re.findall(r"\bX\((\w+)\)|\b(\w+)\(X\)", line.group(1)):
         names.extend([name] if name else _header_list(file_name, nested))
     return names
