@@ -209,11 +209,6 @@ cdef class PageAllocator:
         """Free pages that still hold a cached prefix (evictable)."""
         return self.num_evictable
 
-    @property
-    def num_cached(self):
-        """Pages in the prefix index, in use or evictable."""
-        return self._index.size()
-
     def is_cached(self, int page):
         """True if page ``page`` holds a cached prefix."""
         _as_page_ids(page, self.num_pages, "page")

@@ -6,16 +6,14 @@ GIL (threads on other caches, or doing other work, run meanwhile), on state
 that no other thread can change under them.  A call made from inside another
 call on the same cache (a ``prefix_hash`` callback that touches the cache)
 is refused with a clear error instead of deadlocking or seeing a half-done
-step.  In a ``fork()``ed child every lock starts free.
+step.  In a ``fork()``ed child every lock starts free (the fork hook in
+:mod:`pagedkv._process` resets them).
 """
 import functools
-import os
 import threading
-import weakref
 
+from pagedkv import _process
 from pagedkv.errors import ReentrantCallError
-
-_guards: "weakref.WeakSet[Guard]" = weakref.WeakSet()
 
 
 class Guard:
@@ -24,9 +22,10 @@ class Guard:
     def __init__(self):
         self._lock = threading.Lock()
         self._owner = None
-        _guards.add(self)
+        _process.track_guard(self)
 
     def _reset(self):
+        """A free lock, in a forked child (another thread of the parent may have held it)."""
         self._lock = threading.Lock()
         self._owner = None
 
@@ -49,11 +48,3 @@ def exclusive(method):
                 guard._owner = None
     return wrapper
 
-
-def _after_fork_in_child():
-    for guard in list(_guards):
-        guard._reset()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -167,12 +167,12 @@ def test_build_error_names_the_file_options_and_log(cl_device, tmp_path):
 
 @needs_opencl
 def test_programs_are_built_once_per_context(cl_device):
-    from pagedkv.backends import _opencl_program
+    from pagedkv import _process
     first = opencl_cache(cl_device)._backend
-    built = len(_opencl_program._programs)
+    built = len(_process.opencl.programs[first.context])
     second = opencl_cache(cl_device, num_pages=32, num_layers=2)._backend   # same shapes, other sizes
     assert first.context is second.context
-    assert len(_opencl_program._programs) == built
+    assert len(_process.opencl.programs[first.context]) == built
 
 
 # -- device selection ---------------------------------------------------------------------
@@ -728,23 +728,6 @@ def test_memory_bytes_and_pool_limits(cl_device):
     too_many = device.max_mem_alloc_size // (2 * 8 * 32 * 4) + 1
     with pytest.raises(MemoryError, match="num_pages: .* use fewer pages"):
         opencl_cache(cl_device, 2, 32, num_pages=too_many, page_size=8)
-
-
-@needs_opencl
-def test_program_and_context_caches_can_be_cleared(cl_device):
-    from pagedkv.backends import _opencl_program
-    first = opencl_cache(cl_device)._backend
-    _opencl_program.clear_program_cache()
-    _opencl_device.clear_context_cache()
-    assert not _opencl_program._programs
-    second = opencl_cache(cl_device)._backend
-    assert second.context is not first.context and _opencl_program._programs
-    h = opencl_cache(cl_device)
-    s = h.add_sequence()
-    batch = h.append([s], 3)
-    k = np.ones((3, 2, 32), np.float32)
-    h.store(0, batch, k, k)
-    np.testing.assert_allclose(h.attention(0, batch, np.ones((3, 2, 32))), 1.0)
 
 
 @needs_opencl

@@ -21,35 +21,15 @@ pyopencl is imported lazily everywhere here, so this module imports (and
 import os
 import re
 
+from pagedkv import _process
 from pagedkv.errors import ArgumentTypeError, BackendUnavailableError
 
 INSTALL_HINT = ('pip install "pagedkv[opencl]" (pyopencl plus the PoCL CPU driver), or install '
                 'a system OpenCL driver (ICD) such as Debian\'s pocl-opencl-icd or your GPU '
                 "vendor's")
 
-_UNSET = object()
-_unavailable = _UNSET          # cached answer of unavailable_reason()
-_preferred = _UNSET            # cached: is any device a GPU or accelerator?
-_contexts: dict = {}               # Device -> Context, so that every cache on a device shares programs
-_driver_started = False        # has this process asked the OpenCL drivers anything?
-
-FORKED_CHILD_REASON = (
-    "this process was fork()ed from one that had already started its OpenCL driver, and "
-    "OpenCL drivers (PoCL among them) hang in such a child; create OpenCL caches only in "
-    "processes that have not inherited a started driver, e.g. with multiprocessing's "
-    "\"spawn\" start method (multiprocessing.set_start_method(\"spawn\"))")
-
-
-def _after_fork_in_child():
-    global _unavailable, _preferred
-    _contexts.clear()
-    if _driver_started:
-        _unavailable = FORKED_CHILD_REASON
-        _preferred = False
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
+# The answers, the shared contexts and the fork hook live in pagedkv._process.
+FORKED_CHILD_REASON = _process.FORKED_CHILD_REASON
 
 
 def unavailable_reason():
@@ -57,10 +37,10 @@ def unavailable_reason():
 
     The answer is cached for the process (``reset_availability_cache`` forgets it).
     """
-    global _unavailable
-    if _unavailable is _UNSET:
-        _unavailable = _probe()
-    return _unavailable
+    state = _process.opencl
+    if state.unavailable is _process.UNSET:
+        state.unavailable = _probe()
+    return state.unavailable
 
 
 def has_preferred_device():
@@ -73,21 +53,22 @@ def has_preferred_device():
     cores (see the README's figures), so auto takes host there.  The device
     scan is cached for the process, like ``unavailable_reason``.
     """
-    global _preferred
     if os.environ.get("PAGEDKV_DEVICE") or os.environ.get("PYOPENCL_CTX"):
         return True
-    if _preferred is _UNSET:
+    state = _process.opencl
+    if state.preferred is _process.UNSET:
         import pyopencl as cl
-        _preferred = any(_preference(cl, device) < _KINDS.index("CPU")
-                         for _, _, device in _all_devices(cl))
-    return _preferred
+        state.preferred = any(_preference(cl, device) < _KINDS.index("CPU")
+                              for _, _, device in _all_devices(cl))
+    return state.preferred
 
 
 def reset_availability_cache():
-    """Forget the cached answers above (for tests that fake a driver)."""
-    global _unavailable, _preferred
-    if _unavailable is not FORKED_CHILD_REASON:
-        _unavailable = _preferred = _UNSET
+    """Forget the cached answers above (for tests that fake a driver); a forked child's
+    refusal stays."""
+    state = _process.opencl
+    if state.unavailable is not FORKED_CHILD_REASON:
+        state.unavailable = state.preferred = _process.UNSET
 
 
 def _probe():
@@ -106,8 +87,7 @@ def _probe():
 
 def _all_devices(cl):
     """[(platform_index, device_index, Device)] over every platform."""
-    global _driver_started
-    _driver_started = True
+    _process.opencl.driver_started = True
     found: list[tuple] = []
     for p, platform in enumerate(cl.get_platforms()):
         try:
@@ -216,17 +196,18 @@ def device_index(device):
     raise ValueError(f"device: {device_label(device)} is not among the devices pyopencl lists")
 
 
-def clear_context_cache():
-    """Forget the shared contexts (caches made later get fresh ones; live caches keep theirs)."""
-    _contexts.clear()
-
-
 def context_for_device(device):
-    """A Context on ``device``, shared by every backend on it (programs are cached per context)."""
+    """A Context on ``device``, shared by every backend on it (programs are cached per context).
+
+    Held for the process until ``pagedkv._process.clear_caches()``.
+    """
     import pyopencl as cl
-    if device not in _contexts:
-        _contexts[device] = cl.Context([device])
-    return _contexts[device]
+    state = _process.opencl
+    with state.lock:
+        context = state.contexts.get(device)
+        if context is None:
+            context = state.contexts[device] = cl.Context([device])
+    return context
 
 
 def select_device(device=None):

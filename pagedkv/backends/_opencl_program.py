@@ -15,10 +15,8 @@ import threading
 
 import numpy as np
 
+from pagedkv import _process
 from pagedkv.backends.kernel_source import read_source
-
-_programs: dict = {}   # (Context, file name, options, text) -> built pyopencl.Program
-_programs_lock = threading.Lock()
 
 _KERNEL = re.compile(r"__kernel\s+(?:__attribute__\(\(.*?\)\)\s*)?void\s+(\w+)\s*\((.*?)\)\s*\{",
                      re.DOTALL)
@@ -111,6 +109,9 @@ class KernelCall:
 def build_program(context, name, options, source=None):
     """The program ``name`` (a ``.cl`` file) built for ``context`` with ``options``, memoized.
 
+    The memo lives in :mod:`pagedkv._process`, keyed weakly by ``context``:
+    the programs go when the context does (or at ``_process.clear_caches()``).
+
     Parameters
     ----------
     context : pyopencl.Context
@@ -135,9 +136,11 @@ def build_program(context, name, options, source=None):
     """
     import pyopencl as cl
     text = read_source(name) if source is None else source
-    key = (context, name, tuple(options), text)
-    with _programs_lock:
-        kernels = _programs.get(key)
+    key = (name, tuple(options), text)
+    state = _process.opencl
+    with state.lock:
+        programs = state.programs_for(context)
+        kernels = programs.get(key)
         if kernels is None:
             try:
                 program = cl.Program(context, text).build(options=list(options))
@@ -151,11 +154,5 @@ def build_program(context, name, options, source=None):
             kernels = {kernel: KernelCall(program, kernel, signature)
                        for kernel, signature in kernel_signatures(text).items()
                        if kernel in built}
-            _programs[key] = kernels
+            programs[key] = kernels
     return kernels
-
-
-def clear_program_cache():
-    """Forget every built program (a later ``build_program`` builds afresh)."""
-    with _programs_lock:
-        _programs.clear()

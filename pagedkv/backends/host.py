@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pagedkv import _rows
+from pagedkv import _process, _rows
 from pagedkv._cpu import kernels as _kernels
 from pagedkv.backends.base import Backend, empty_rows
 from pagedkv.backends.schedule import ITEM, plan_attention
@@ -56,17 +56,8 @@ def _max_threads():
 
 # libgomp is not fork-safe: a child forked after the parent ran a parallel
 # region hangs in its first one.  Kernels in such a child run on one thread
-# (a region of one thread starts no team).
-_in_forked_child = False
-
-
-def _forked():
-    global _in_forked_child
-    _in_forked_child = True
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forked)
+# (a region of one thread starts no team); pagedkv._process knows whether
+# this process is such a child.
 
 
 def _threads_for(work, max_threads):
@@ -75,7 +66,7 @@ def _threads_for(work, max_threads):
 
 def _fork_safe(num_threads):
     """The OpenMP threads a kernel may use in this process."""
-    return 1 if _in_forked_child else num_threads
+    return 1 if _process.in_forked_child() else num_threads
 
 
 class HostBackend(Backend):
