@@ -50,6 +50,9 @@
  *   PKV_STAGE_K, PKV_STAGE_V  1: read K (V) rows from a local copy
  *   PKV_SW      softmax vector width, 1 or 8
  *   PKV_MERGE_WG  work-group size of merge_partials
+ *   PKV_COUNT_LOOPS  1: each work-item writes the loop iterations it ran
+ *                 (those of loops that are not unrolled) to loop_counts, for
+ *                 tests of the bound below; 0 (default): loop_counts is unread
  *
  * No loop's trip count grows with the context length: the planner cuts key
  * ranges into parts of at most KernelLayout.max_item_keys keys, so that a
@@ -58,6 +61,11 @@
  * merge loops over a bounded number of parts.
  */
 #include "pkv_common.h"
+/* the variant contract (band, logit, online softmax, merge), over pkv_common.h's exp */
+PKV_DEFINE_TANH(inline, pkv_tanh, float, pkv_exp, fabs, copysign)
+#define PKV_VARIANT_EXP pkv_exp
+#define PKV_VARIANT_TANH pkv_tanh
+#include "pkv_variant.h"
 #include "pkv_work_item.h"
 
 #if PKV_NQ % PKV_QB || PKV_CHUNK % PKV_TB || PKV_DV % PKV_CB || PKV_DV % PKV_SPLIT \
@@ -65,6 +73,16 @@
 #error "tile sizes must divide PKV_NQ, PKV_CHUNK and PKV_HEAD_DIM / PKV_VW"
 #endif
 
+
+#ifndef PKV_COUNT_LOOPS
+#define PKV_COUNT_LOOPS 0
+#endif
+/* one iteration of a loop that is not unrolled (PKV_COUNT_LOOPS builds) */
+#if PKV_COUNT_LOOPS
+#define PKV_LOOP() (++loops)
+#else
+#define PKV_LOOP() ((void)0)
+#endif
 
 #define PKV_COL_BLOCKS (PKV_DV / PKV_CB)
 #define PKV_OUT_TILES ((PKV_NQ / PKV_QB) * PKV_COL_BLOCKS)
@@ -75,9 +93,11 @@
 #if PKV_OUT_PER_WI <= 8
 #define PKV_OUT_LOOP PKV_OUT_PER_WI
 #define PKV_OUT_UNROLL PKV_UNROLL
+#define PKV_OUT_ITERATION() ((void)0)
 #else
 #define PKV_OUT_LOOP PKV_CEIL(out_tiles, PKV_WG)
 #define PKV_OUT_UNROLL
+#define PKV_OUT_ITERATION() PKV_LOOP()
 #endif
 
 /* full unrolling keeps register tiles in registers */
@@ -151,18 +171,9 @@ typedef int pkv_sivec;
 PKV_DEFINE_EXP(pkv_exp_s, pkv_svec, pkv_sivec, PKV_AS_SVEC, PKV_AS_SIVEC)
 /* tanh on PKV_SW lanes at once (pkv_tanh.h), for the soft cap */
 PKV_DEFINE_TANH(inline, pkv_tanh_s, pkv_svec, pkv_exp_s, fabs, copysign)
-
-/* What turns an accumulator (max m, sum of weights) into the output, with a
- * sink logit (-inf: none) in the denominator: f / (sum * f + exp(sink - top)),
- * f = exp(m - top), top = max(m, sink), so that no exponent is positive.  A
- * query that saw no key gets 0. */
-inline float pkv_output_scale(const float m, const float sum, const float sink) {
-    const float top = PKV_MAX(m, sink);
-    if (top == -INFINITY) return 0.0f;
-    const float f = pkv_exp(m - top);
-    const float denominator = sum * f + pkv_exp(sink - top);
-    return denominator > 0.0f ? f / denominator : 0.0f;
-}
+/* the contract's logit and softmax steps on PKV_SW lanes at once */
+PKV_DEFINE_LOGIT(inline, pkv_logit_s, pkv_svec, pkv_tanh_s)
+PKV_DEFINE_SOFTMAX(inline, _s, pkv_svec, pkv_sivec, pkv_exp_s)
 
 __kernel __attribute__((reqd_work_group_size(PKV_WG, 1, 1)))
 void paged_attention(__global const float* q,              /* [T, num_heads, D] */
@@ -189,7 +200,9 @@ void paged_attention(__global const float* q,              /* [T, num_heads, D] 
                      __global float* out,                  /* [T, num_heads, D] */
                      __global float* part_acc,             /* [P, PKV_NQ, D] */
                      __global float* part_max,             /* [P, PKV_NQ] */
-                     __global float* part_sum) {
+                     __global float* part_sum,
+                     __global int* loop_counts) {          /* PKV_COUNT_LOOPS: [work-items] */
+    int loops = 0;
     /* scores, then softmax weights, per query */
     __local pkv_svec scores_v[PKV_NQ * PKV_CHUNK / PKV_SW];
     __local float* scores = (__local float*)scores_v;
@@ -225,7 +238,7 @@ void paged_attention(__global const float* q,              /* [T, num_heads, D] 
     const int b = item[PKV_W_SEQ], h = item[PKV_W_KV_HEAD], kv_head = h / sub_groups;
     const int row0 = item[PKV_W_ROW0], row1 = item[PKV_W_ROW1];
     const int key0 = item[PKV_W_KEY0], key1 = item[PKV_W_KEY1], part = item[PKV_W_PART];
-    const int band_lo = item[PKV_W_BAND_LO], band_hi = item[PKV_W_BAND_HI];
+    const pkv_band band = PKV_ITEM_BAND(item);
     const int num_kv_heads = num_groups / sub_groups, num_heads = num_groups * group;
     const int nq = (row1 - row0) * group;       /* query qi: row row0 + qi / group, head h * group + qi % group */
     const int query_blocks = PKV_CEIL(nq, PKV_QB);
@@ -243,6 +256,7 @@ void paged_attention(__global const float* q,              /* [T, num_heads, D] 
     const long new_pos0 = fused ? (long)seq_lens[b] - (new_row1 - new_row0) : 0;
 
     for (int k = 0; k < PKV_CEIL(nq, PKV_WG); ++k) {
+        PKV_LOOP();
         const int qi = lid + k * PKV_WG;
         if (qi < nq) {
             run_max[qi] = -INFINITY;
@@ -251,13 +265,16 @@ void paged_attention(__global const float* q,              /* [T, num_heads, D] 
     }
     pkv_vec acc[PKV_OUT_PER_WI][PKV_QB][PKV_CB];
     PKV_OUT_UNROLL
-    for (int k = 0; k < PKV_OUT_PER_WI; ++k)
+    for (int k = 0; k < PKV_OUT_PER_WI; ++k) {
+        PKV_OUT_ITERATION();
         PKV_UNROLL
         for (int j = 0; j < PKV_QB; ++j)
             PKV_UNROLL
             for (int c = 0; c < PKV_CB; ++c) acc[k][j][c] = 0.0f;
+    }
 
     for (int c0 = key0; c0 < key1; c0 += PKV_CHUNK) {
+        PKV_LOOP();
         const int n_keys = PKV_MIN(PKV_CHUNK, key1 - c0);
         const int key_blocks = PKV_CEIL(n_keys, PKV_TB);
         const int n_rows = key_blocks * PKV_TB;     /* whole tiles: n_keys rounded up */
@@ -267,6 +284,7 @@ void paged_attention(__global const float* q,              /* [T, num_heads, D] 
               corrupt table) is masked; keys past n_keys point at row 0 so that
               whole tiles load in bounds. */
         for (int k = 0; k < PKV_CEIL(PKV_CHUNK, PKV_WG); ++k) {
+            PKV_LOOP();
             const int t = lid + k * PKV_WG;
             if (t < PKV_CHUNK) {
                 ulong row = 0;
@@ -289,6 +307,7 @@ void paged_attention(__global const float* q,              /* [T, num_heads, D] 
 #if PKV_STAGE_K || PKV_STAGE_V
         /* copy the rows as floats; PKV_SPLIT work-items share a row */
         for (int k = 0; k < PKV_CEIL(n_rows * PKV_SPLIT, PKV_WG); ++k) {
+            PKV_LOOP();
             const int u = lid + k * PKV_WG;
             if (u < n_rows * PKV_SPLIT) {
                 const int t = u / PKV_SPLIT, d0 = (u % PKV_SPLIT) * PKV_SEGMENT;
@@ -343,18 +362,19 @@ void paged_attention(__global const float* q,              /* [T, num_heads, D] 
         /* 1. logits of tiles of PKV_TB keys x PKV_QB queries; keys outside a
               query's band get -inf.  Queries past nq repeat the last one. */
         for (int k = 0; k < PKV_CEIL(score_tiles, PKV_WG); ++k) {
+            PKV_LOOP();
             const int tile = lid + k * PKV_WG;
             if (tile < score_tiles) {
                 const int qb = tile / key_blocks, t0 = (tile % key_blocks) * PKV_TB;
                 __global const pkv_vec* qv[PKV_QB];
-                int q_lo[PKV_QB], q_hi[PKV_QB];
+                long q_lo[PKV_QB], q_hi[PKV_QB];
                 PKV_UNROLL
                 for (int j = 0; j < PKV_QB; ++j) {
                     const int qi = PKV_MIN(qb * PKV_QB + j, nq - 1), r = row0 + qi / group;
                     qv[j] = (__global const pkv_vec*)(
                         q + ((size_t)r * num_heads + h * group + qi % group) * PKV_D);
-                    q_lo[j] = band_lo + qi / group;
-                    q_hi[j] = band_hi + qi / group;
+                    q_lo[j] = pkv_band_lo(band, qi / group);
+                    q_hi[j] = pkv_band_hi(band, qi / group);
                 }
                 pkv_k_row kr[PKV_TB];
                 PKV_UNROLL
@@ -365,6 +385,7 @@ void paged_attention(__global const float* q,              /* [T, num_heads, D] 
                     PKV_UNROLL
                     for (int j = 0; j < PKV_QB; ++j) dot[i][j] = 0.0f;
                 for (int d = 0; d < PKV_DV; ++d) {
+                    PKV_LOOP();
                     pkv_vec kv[PKV_TB];
                     PKV_UNROLL
                     for (int i = 0; i < PKV_TB; ++i) kv[i] = PKV_K_VEC(kr[i], d);
@@ -405,40 +426,45 @@ void paged_attention(__global const float* q,              /* [T, num_heads, D] 
               Keys outside the query's band become weight 0 (step 3 reads whole
               tiles). */
         for (int k = 0; k < PKV_CEIL(nq, PKV_WG); ++k) {
+            PKV_LOOP();
             const int qi = lid + k * PKV_WG;
             if (qi < nq) {
                 __local pkv_svec* s = scores_v + qi * (PKV_CHUNK / PKV_SW);
                 /* the band relative to the chunk, in long: c0 may be near INT_MAX */
-                const long lo = (long)band_lo + qi / group - c0, hi = (long)band_hi + qi / group - c0;
+                const long lo = pkv_band_lo(band, qi / group) - c0;
+                const long hi = pkv_band_hi(band, qi / group) - c0;
                 const int v_lo = (int)PKV_MAX(lo, 0L), v_hi = (int)PKV_MIN(hi, (long)n_keys);
                 const int n_vec = PKV_CEIL(n_keys, PKV_SW);
                 /* lanes past n_keys hold no logit: zero them, so that no lane the
                    vector loads below read is uninitialised */
-                for (int t = n_keys; t < n_vec * PKV_SW; ++t) scores[qi * PKV_CHUNK + t] = 0.0f;
-                if (soft_cap > 0.0f)   /* the visible logits capped, PKV_SW at once */
+                for (int t = n_keys; t < n_vec * PKV_SW; ++t) {
+                    PKV_LOOP();
+                    scores[qi * PKV_CHUNK + t] = 0.0f;
+                }
+                if (soft_cap > 0.0f)   /* the visible logits transformed, PKV_SW at once */
                     for (int v = 0; v < n_vec; ++v) {
+                        PKV_LOOP();
                         const pkv_svec x = s[v];
-                        s[v] = x == (pkv_svec)(-INFINITY) ? x : soft_cap * pkv_tanh_s(x * inverse_cap);
+                        s[v] = x == (pkv_svec)(-INFINITY) ? x : pkv_logit_s(x, soft_cap, inverse_cap);
                     }
                 const float m_old = run_max[qi];
                 pkv_svec m_vec = m_old;
                 for (int v = 0; v < n_vec; ++v) {
+                    PKV_LOOP();
                     const pkv_sivec lane = PKV_SLANES + v * PKV_SW;
-                    const pkv_svec x = ((lane >= v_lo) & (lane < v_hi)) ? s[v] : (pkv_svec)(-INFINITY);
-                    m_vec = m_vec > x ? m_vec : x;
+                    m_vec = pkv_max_step_s(m_vec, s[v], (lane >= v_lo) & (lane < v_hi));
                 }
                 const float m_new = pkv_hmax(m_vec);
-                /* m_new == -inf: nothing visible yet; exp(-inf - -inf) would be NaN */
-                const float shift = m_new == -INFINITY ? 0.0f : m_new;
                 pkv_svec total = 0.0f;
                 for (int v = 0; v < n_vec; ++v) {
+                    PKV_LOOP();
                     const pkv_sivec lane = PKV_SLANES + v * PKV_SW;
-                    const pkv_svec p = ((lane >= v_lo) & (lane < v_hi))
-                        ? pkv_exp_s(s[v] - shift) : (pkv_svec)(0.0f);
+                    const pkv_svec p = pkv_weight_s(s[v], (pkv_svec)(m_new),
+                                                    (lane >= v_lo) & (lane < v_hi));
                     s[v] = p;
                     total += p;
                 }
-                const float alpha = m_new == -INFINITY ? 1.0f : pkv_exp(m_old - m_new);
+                const float alpha = pkv_rescale(m_old, m_new);
                 rescale[qi] = alpha;
                 run_max[qi] = m_new;
                 run_sum[qi] = run_sum[qi] * alpha + PKV_SSUM(total);
@@ -452,6 +478,7 @@ void paged_attention(__global const float* q,              /* [T, num_heads, D] 
         /* 3. acc = acc * alpha + sum_t p_t V_t over tiles of PKV_QB queries x PKV_CB vectors */
         PKV_OUT_UNROLL
         for (int k = 0; k < PKV_OUT_LOOP; ++k) {
+            PKV_OUT_ITERATION();
             const int tile = lid + k * PKV_WG;
             if (tile < out_tiles) {
                 const int qb = tile / PKV_COL_BLOCKS, v0 = (tile % PKV_COL_BLOCKS) * PKV_CB;
@@ -481,6 +508,7 @@ void paged_attention(__global const float* q,              /* [T, num_heads, D] 
                    that see the key, chosen by select, not multiplied by 0. */
 #define PKV_ACCUMULATE_KEYS(from, to, masked)                                        \
                 for (int t = (from); t < (to); ++t) {                                \
+                    PKV_LOOP();                                                      \
                     const pkv_v_row vr = PKV_V_ROW(t);                               \
                     pkv_vec vv[PKV_CB];                                              \
                     PKV_UNROLL                                                       \
@@ -509,6 +537,7 @@ void paged_attention(__global const float* q,              /* [T, num_heads, D] 
 
     PKV_OUT_UNROLL
     for (int k = 0; k < PKV_OUT_LOOP; ++k) {
+        PKV_OUT_ITERATION();
         const int tile = lid + k * PKV_WG;
         if (tile < out_tiles) {
             const int qb = tile / PKV_COL_BLOCKS, v0 = (tile % PKV_COL_BLOCKS) * PKV_CB;
@@ -530,12 +559,14 @@ void paged_attention(__global const float* q,              /* [T, num_heads, D] 
     }
     if (part >= 0)
         for (int k = 0; k < PKV_CEIL(nq, PKV_WG); ++k) {
+            PKV_LOOP();
             const int qi = lid + k * PKV_WG;
             if (qi < nq) {
                 part_max[(size_t)part * PKV_NQ + qi] = run_max[qi];
                 part_sum[(size_t)part * PKV_NQ + qi] = run_sum[qi];
             }
         }
+    if (PKV_COUNT_LOOPS) loop_counts[get_global_id(0)] = loops;
 }
 
 /* Combine the parts of each split (row block, head group), add the sinks and
@@ -550,23 +581,29 @@ void merge_partials(__global const int* items, __global const int* seg_items,
                     const int group, const int num_groups,
                     __global const float* sinks,       /* [num_heads] */
                     const int has_sinks,
-                    __global float* out) {             /* [T, num_heads, D] */
+                    __global float* out,               /* [T, num_heads, D] */
+                    __global int* loop_counts) {       /* PKV_COUNT_LOOPS: [work-items] */
+    int loops = 0;
     const int s = get_group_id(0), lid = get_local_id(0);
     __global const int* item = items + (size_t)seg_items[s] * PKV_W_FIELDS;
     const int h = item[PKV_W_KV_HEAD], row0 = item[PKV_W_ROW0], row1 = item[PKV_W_ROW1];
     const int nq = (row1 - row0) * group, num_heads = num_groups * group;
     const int first = seg_parts[s], last = seg_parts[s + 1];
     for (int k = 0; k < PKV_CEIL(nq * PKV_DV, PKV_MERGE_WG); ++k) {
+        PKV_LOOP();
         const int e = lid + k * PKV_MERGE_WG, qi = e / PKV_DV, vec = e % PKV_DV;
         if (qi < nq) {
             float m = -INFINITY;
-            for (int w = first; w < last; ++w) m = PKV_MAX(m, part_max[(size_t)w * PKV_NQ + qi]);
+            for (int w = first; w < last; ++w) {
+                PKV_LOOP();
+                m = PKV_MAX(m, part_max[(size_t)w * PKV_NQ + qi]);
+            }
             pkv_vec acc = 0.0f;
             float total = 0.0f;
             for (int w = first; w < last; ++w) {
+                PKV_LOOP();
                 const float pm = part_max[(size_t)w * PKV_NQ + qi];
-                /* a part that saw no key of this query (max -inf) weighs nothing */
-                const float weight = pm == -INFINITY ? 0.0f : pkv_exp(pm - m);
+                const float weight = pkv_part_weight(pm, m);
                 total += part_sum[(size_t)w * PKV_NQ + qi] * weight;
                 acc += PKV_VLOAD_F(((size_t)w * PKV_NQ + qi) * PKV_DV + vec, part_acc) * weight;
             }
@@ -575,4 +612,5 @@ void merge_partials(__global const int* items, __global const int* seg_items,
             PKV_VSTORE_F(acc * inv, ((size_t)r * num_heads + head) * PKV_DV + vec, out);
         }
     }
+    if (PKV_COUNT_LOOPS) loop_counts[get_global_id(0)] = loops;
 }

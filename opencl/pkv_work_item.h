@@ -10,22 +10,24 @@
  *   ROW1      one past the last query row, all of sequence SEQ
  *   KEY0      first key position it reads
  *   KEY1      one past the last key position it reads
- *   BAND_LO   query row ROW0 + i sees the keys at positions
- *   BAND_HI     [BAND_LO + i, BAND_HI + i), within [KEY0, KEY1)
  *   PART      slot of its partial result when the rows' keys are split over
  *             several items (split-K), or -1 when it writes the output
  *
- * The planner derives the band from the attention variant (causal, sliding
- * window) once per step; kernels apply it and know no other mask.  Every
- * value fits an int32, and BAND_LO + i never underflows (the planner clamps
- * it to no less than minus the item's row count).
+ * and then the band fields of pkv_variant.h (PKV_BAND_FIELDS): which keys
+ * each row sees.  The planner derives the band from the attention variant
+ * (causal, sliding window) once per step; kernels apply it through
+ * pkv_variant.h and know no other mask.  Every value fits an int32, and
+ * BAND_LO + i never underflows (the planner clamps it to no less than minus
+ * the item's row count).
  *
- * The list is one line, `X(NAME)` per field, so that Python can read it.
+ * The list is one line, `X(NAME)` per field, so that Python can read it
+ * (pagedkv/backends/kernel_source.py, which expands PKV_BAND_FIELDS).
  */
 #ifndef PKV_WORK_ITEM_H
 #define PKV_WORK_ITEM_H
+#include "pkv_variant.h"
 
-#define PKV_WORK_ITEM(X) X(SEQ) X(KV_HEAD) X(ROW0) X(ROW1) X(KEY0) X(KEY1) X(BAND_LO) X(BAND_HI) X(PART)
+#define PKV_WORK_ITEM(X) X(SEQ) X(KV_HEAD) X(ROW0) X(ROW1) X(KEY0) X(KEY1) X(PART) PKV_BAND_FIELDS(X)
 
 #define PKV_W_ENUM_ENTRY(name) PKV_W_##name,
 enum { PKV_WORK_ITEM(PKV_W_ENUM_ENTRY) PKV_W_FIELDS };

@@ -12,7 +12,7 @@ trust them and run without the GIL.
 import numpy as np
 cimport numpy as cnp
 from cython.parallel cimport prange, threadid
-from libc.math cimport expf, INFINITY
+from libc.math cimport INFINITY
 from libc.stdint cimport int8_t, int32_t, int64_t, uint16_t
 
 cnp.import_array()
@@ -20,6 +20,17 @@ cnp.import_array()
 cdef extern from "pkv_half.h" nogil:
     float pkv_half_to_float(uint16_t bits)
     uint16_t pkv_float_to_half(float x)
+
+cdef extern from "pkv_variant.h" nogil:
+    # the variant contract (opencl/pkv_variant.h; pkv_simd.h defines its exp and tanh)
+    ctypedef struct pkv_band:   # the C struct may have more fields; Cython reads none
+        int64_t lo
+        int64_t hi
+    pkv_band PKV_ITEM_BAND(const int32_t* item)
+    int64_t pkv_band_lo(pkv_band band, int row)
+    int64_t pkv_band_hi(pkv_band band, int row)
+    float pkv_part_weight(float part_max, float m)
+    float pkv_output_scale(float m, float sum, float sink)
 
 cdef extern from "pkv_simd.h" nogil:
     ctypedef struct pkv_prefetch:
@@ -38,8 +49,8 @@ cdef extern from "pkv_simd.h" nogil:
                             const uint16_t* x, int nt, int n, pkv_prefetch* pf, int queries)
     void pkv_accumulate_i8(float* acc, const float* alpha, const float* p, int ld,
                            const int8_t* x, int nt, int n, pkv_prefetch* pf, int queries)
-    void pkv_softmax_page(float* s, int ld, int nq, int nq_padded, int nt, int64_t first_lo,
-                          int64_t first_hi, int group, float soft_cap, float* run_max,
+    void pkv_softmax_page(float* s, int ld, int nq, int nq_padded, int nt, pkv_band band,
+                          int64_t first_key, int group, float soft_cap, float* run_max,
                           float* run_sum, float* alpha)
 
 cdef extern from "pkv_block.h" nogil:
@@ -117,11 +128,12 @@ cdef inline void page_accumulate(float* acc, const float* alpha, const float* p,
 
 cdef inline void page_accumulate_band(float* acc, const float* alpha, const float* p, int ld,
                                       const storage_t* x, int nt, int n, pkv_prefetch* pf,
-                                      int q0, int tile, int nq, int group, int64_t first_lo,
-                                      int64_t first_hi) noexcept nogil:
+                                      int q0, int tile, int nq, int group, pkv_band band,
+                                      int64_t first_key) noexcept nogil:
     """``page_accumulate`` for the tile of queries ``q0 : q0 + tile`` of a page, each
-    over the keys of its band only (``pkv_softmax_page``'s bands; queries past
-    ``nq`` are padding, with any result).
+    over the keys of its band only (``pkv_softmax_page``'s bands: the keys of the
+    page start at position ``first_key``; queries past ``nq`` are padding, with
+    any result).
 
     A weight outside a band is zero, but zero times a NaN or inf value is NaN:
     the keys every real query of the tile sees go through the tile at once,
@@ -131,8 +143,8 @@ cdef inline void page_accumulate_band(float* acc, const float* alpha, const floa
     cdef int64_t lo, hi, all_lo = 0, all_hi = nt
     cdef float one = 1.0
     for qi in range(q0, last):
-        all_lo = max(all_lo, first_lo + qi // group)
-        all_hi = min(all_hi, first_hi + qi // group)
+        all_lo = max(all_lo, pkv_band_lo(band, qi // group) - first_key)
+        all_hi = min(all_hi, pkv_band_hi(band, qi // group) - first_key)
     if all_hi <= all_lo:
         all_lo = 0      # no key all of them see: each query goes alone
         all_hi = 0
@@ -140,8 +152,8 @@ cdef inline void page_accumulate_band(float* acc, const float* alpha, const floa
     page_accumulate(acc + q0 * n, alpha + q0, p + q0 * ld + all_lo, ld, x + all_lo * n,
                     <int>(all_hi - all_lo), n, pf, tile)
     for qi in range(q0, last):
-        lo = max(first_lo + qi // group, 0)
-        hi = min(first_hi + qi // group, nt)
+        lo = max(pkv_band_lo(band, qi // group) - first_key, 0)
+        hi = min(pkv_band_hi(band, qi // group) - first_key, nt)
         if hi <= lo:
             continue
         if lo < all_lo:
@@ -248,6 +260,18 @@ cdef enum:
 BLOCK_MIN_QUERIES = PKV_BLOCK_MIN_QUERIES
 
 
+cdef struct AttentionParams:
+    # The scalars of one paged_attention call, filled by name (a dict whose keys
+    # are these fields; pagedkv.backends.host) and passed down as one block.
+    int heads_per_item          # KV heads per work item (its KV_HEAD is the first)
+    int max_rows_per_item       # the most query rows of any item
+    float scale                 # the logits' scale, folded into the queries
+    float soft_cap              # c of c * tanh(x / c); 0: none
+    int rotation_block          # int8: the Hadamard block of the rows (0: none)
+    float rotation_scale        # 1 / sqrt(rotation_block)
+    int num_threads             # OpenMP threads (ignored in a build without OpenMP)
+
+
 cdef inline int padded_queries(int nq) noexcept nogil:
     return (nq + 3) // 4 * 4
 
@@ -256,11 +280,10 @@ cdef void attend_item(const float[:, :, ::1] q,
                       storage_t[:, :, :, ::1] k_pool, storage_t[:, :, :, ::1] v_pool,
                       const float[:, :, ::1] k_scales, const float[:, :, ::1] v_scales,
                       const int32_t[::1] page_indptr, const int32_t[::1] page_indices,
-                      const int32_t* item, int heads_per_item, float scale, float soft_cap,
-                      int rotation_block, float rotation_scale,
+                      const int32_t* item, const AttentionParams* params,
                       float* acc, float* run_max, float* run_sum, float* scratch,
                       const void** rows) noexcept nogil:
-    """One work item over KV heads ``h0 : h0 + heads_per_item``.
+    """One work item over KV heads ``h0 : h0 + heads_per_item`` (``params``).
 
     Leaves unnormalised ``acc`` [heads_per_item * nq4, D] and ``run_max``,
     ``run_sum`` [heads_per_item * nq4], head-major, where nq = rows * group
@@ -276,7 +299,10 @@ cdef void attend_item(const float[:, :, ::1] q,
     cdef int b = item[PKV_W_SEQ], h0 = item[PKV_W_KV_HEAD]
     cdef int row0 = item[PKV_W_ROW0], row1 = item[PKV_W_ROW1]
     cdef int key0 = item[PKV_W_KEY0], key1 = item[PKV_W_KEY1]
-    cdef int64_t band_lo = item[PKV_W_BAND_LO], band_hi = item[PKV_W_BAND_HI]
+    cdef pkv_band band = PKV_ITEM_BAND(item)
+    cdef int heads_per_item = params.heads_per_item, rotation_block = params.rotation_block
+    cdef float scale = params.scale, soft_cap = params.soft_cap
+    cdef float rotation_scale = params.rotation_scale
     cdef int D = q.shape[2], ps = k_pool.shape[2]
     cdef int group = q.shape[1] // k_pool.shape[1]
     cdef int nq = (row1 - row0) * group
@@ -306,8 +332,7 @@ cdef void attend_item(const float[:, :, ::1] q,
 
     if nq >= PKV_BLOCK_MIN_QUERIES:
         attend_item_blocks(q, k_pool, v_pool, k_scales, v_scales, page_indptr, page_indices,
-                           item, heads_per_item, scale, soft_cap, rotation_block,
-                           rotation_scale, acc, run_max, run_sum, scratch, rows)
+                           item, params, acc, run_max, run_sum, scratch, rows)
         return
 
     for x in range(heads_per_item * nq4):
@@ -356,8 +381,8 @@ cdef void attend_item(const float[:, :, ::1] q,
                         scores[qi * ps + t] = scores[qi * ps + t] * row_scales[t]
             # online softmax: logits become weights, zero outside each row's
             # band, and alphas rescale the accumulators
-            pkv_softmax_page(scores, ps, nq, nq4, nt, band_lo - first_key, band_hi - first_key,
-                             group, soft_cap, head_max, head_sum, alphas)
+            pkv_softmax_page(scores, ps, nq, nq4, nt, band, first_key, group, soft_cap,
+                             head_max, head_sum, alphas)
             if storage_t is int8_t:
                 row_scales = &v_scales[page, h0 + hh, t0]
                 for qi in range(nq):
@@ -366,8 +391,8 @@ cdef void attend_item(const float[:, :, ::1] q,
             for x in range(tiled // tile):
                 qi = x * tile
                 page_accumulate_band(head_acc, alphas, scores, ps, &v_pool[page, h0 + hh, t0, 0],
-                                     nt, D, &next_values, qi, tile, nq, group,
-                                     band_lo - first_key, band_hi - first_key)
+                                     nt, D, &next_values, qi, tile, nq, group, band,
+                                     first_key)
             # a short page leaves part of the next one unprefetched
             pkv_prefetch_rest(&next_keys)
             pkv_prefetch_rest(&next_values)
@@ -426,8 +451,7 @@ cdef void attend_item_blocks(const float[:, :, ::1] q,
                              storage_t[:, :, :, ::1] k_pool, storage_t[:, :, :, ::1] v_pool,
                              const float[:, :, ::1] k_scales, const float[:, :, ::1] v_scales,
                              const int32_t[::1] page_indptr, const int32_t[::1] page_indices,
-                             const int32_t* item, int heads_per_item, float scale,
-                             float soft_cap, int rotation_block, float rotation_scale,
+                             const int32_t* item, const AttentionParams* params,
                              float* acc, float* run_max, float* run_sum, float* scratch,
                              const void** rows) noexcept nogil:
     """``attend_item`` for items of many queries: keys by blocks of PKV_BLOCK_KEYS.
@@ -442,7 +466,10 @@ cdef void attend_item_blocks(const float[:, :, ::1] q,
     cdef int b = item[PKV_W_SEQ], h0 = item[PKV_W_KV_HEAD]
     cdef int row0 = item[PKV_W_ROW0], row1 = item[PKV_W_ROW1]
     cdef int key0 = item[PKV_W_KEY0], key1 = item[PKV_W_KEY1]
-    cdef int64_t band_lo = item[PKV_W_BAND_LO], band_hi = item[PKV_W_BAND_HI]
+    cdef pkv_band band = PKV_ITEM_BAND(item)
+    cdef int heads_per_item = params.heads_per_item, rotation_block = params.rotation_block
+    cdef float scale = params.scale, soft_cap = params.soft_cap
+    cdef float rotation_scale = params.rotation_scale
     cdef int D = q.shape[2], group = q.shape[1] // k_pool.shape[1]
     cdef int nq = (row1 - row0) * group
     cdef int nq4 = padded_queries(nq), nqp = pkv_block_queries(nq)
@@ -509,8 +536,8 @@ cdef void attend_item_blocks(const float[:, :, ::1] q,
             during_sum = pkv_block_prefetch(k_next, next_nt, row_bytes)
             # the band of each query (row r's queries: r * group : (r + 1) * group)
             for x in range(row1 - row0):
-                lo = min(max(band_lo + x - blk0, 0), nt)
-                hi = min(max(band_hi + x - blk0, lo), nt)
+                lo = min(max(pkv_band_lo(band, x) - blk0, 0), nt)
+                hi = min(max(pkv_band_hi(band, x) - blk0, lo), nt)
                 for qi in range(x * group, (x + 1) * group):
                     lo_t[qi] = <int32_t>lo
                     hi_t[qi] = <int32_t>hi
@@ -535,9 +562,7 @@ def paged_attention(const float[:, :, ::1] q,
                     const float[:, :, ::1] k_scales, const float[:, :, ::1] v_scales,
                     const int32_t[::1] page_indptr, const int32_t[::1] page_indices,
                     const int32_t[:, ::1] items, const int32_t[::1] item_offsets,
-                    int heads_per_item, int max_rows_per_item, float scale, float soft_cap,
-                    const float[::1] sinks, int rotation_block, float rotation_scale,
-                    float[:, :, ::1] out, int num_threads):
+                    const float[::1] sinks, float[:, :, ::1] out, AttentionParams params):
     """Paged attention of a ragged batch over planned work items; see ``pagedkv.backends.host``.
 
     Parameters
@@ -550,25 +575,21 @@ def paged_attention(const float[:, :, ::1] q,
         CSR page table of the step's sequences.
     items : int32 [num_items, PKV_W_FIELDS]
         The work items (pkv_work_item.h); an item covers KV heads
-        ``KV_HEAD : KV_HEAD + heads_per_item``.
+        ``KV_HEAD : KV_HEAD + params["heads_per_item"]``.
     item_offsets : int32 [M + 1]
         Query block ``m`` owns items ``item_offsets[m]:item_offsets[m+1]``
         (more than one when its key range is split).
-    max_rows_per_item : int
-        The most query rows of any item.
-    scale : float
-    soft_cap : float
-        ``c`` of ``c * tanh(x / c)``; 0 for none.
     sinks : float32 [num_heads] or None
-    rotation_block : int
-        int8: the Hadamard block the rows are rotated by (0: none); the
-        queries are rotated the same way and the output back.
-    rotation_scale : float
-        ``1 / sqrt(rotation_block)``.
     out : float32 [T, num_heads, D]
-    num_threads : int
-        OpenMP threads (ignored in a build without OpenMP).
+    params : dict
+        The fields of ``AttentionParams`` (above), each by name: the
+        variant's scalars (``scale``, ``soft_cap``), the int8 rotation
+        (``rotation_block``: the queries are rotated like the stored rows,
+        the output back), the plan's ``heads_per_item`` and
+        ``max_rows_per_item``, and ``num_threads``.
     """
+    cdef int heads_per_item = params.heads_per_item, num_threads = params.num_threads
+    cdef int max_rows_per_item = params.max_rows_per_item
     cdef Py_ssize_t W = items.shape[0], M = item_offsets.shape[0] - 1
     cdef int D = q.shape[2], ps = k_pool.shape[2], group = q.shape[1] // k_pool.shape[1]
     cdef int nq_max = padded_queries(max_rows_per_item * group)
@@ -605,25 +626,23 @@ def paged_attention(const float[:, :, ::1] q,
             if slot < 0:
                 slot = num_parts + threadid()
             attend_item(q, k_pool, v_pool, k_scales, v_scales, page_indptr, page_indices,
-                        &items[w, 0], heads_per_item, scale, soft_cap, rotation_block,
-                        rotation_scale, &acc[slot, 0, 0], &run_max[slot, 0],
+                        &items[w, 0], &params, &acc[slot, 0, 0], &run_max[slot, 0],
                         &run_sum[slot, 0], &scratch[threadid(), 0],
                         <const void**>&rows[threadid(), 0])
             if items[w, PKV_W_PART] < 0:
-                merge_partials(&items[0, 0], w, w + 1, group, heads_per_item, sink_ptr,
-                               rotation_block, rotation_scale, &acc[slot, 0, 0],
-                               &run_max[slot, 0], &run_sum[slot, 0], part_queries, D, out)
+                merge_partials(&items[0, 0], w, w + 1, group, &params, sink_ptr,
+                               &acc[slot, 0, 0], &run_max[slot, 0], &run_sum[slot, 0],
+                               part_queries, D, out)
         for m in prange(M, schedule="static", num_threads=num_threads):
             if items[item_offsets[m], PKV_W_PART] >= 0:
                 merge_partials(&items[0, 0], item_offsets[m], item_offsets[m + 1], group,
-                               heads_per_item, sink_ptr, rotation_block, rotation_scale,
-                               &acc[0, 0, 0], &run_max[0, 0], &run_sum[0, 0], part_queries,
-                               D, out)
+                               &params, sink_ptr, &acc[0, 0, 0], &run_max[0, 0],
+                               &run_sum[0, 0], part_queries, D, out)
 
 
 cdef void merge_partials(const int32_t* items, int first, int last, int group,
-                         int heads_per_item, const float* sinks, int rotation_block,
-                         float rotation_scale, const float* acc, const float* run_max,
+                         const AttentionParams* params, const float* sinks,
+                         const float* acc, const float* run_max,
                          const float* run_sum, Py_ssize_t part_queries, int D,
                          float[:, :, ::1] out) noexcept nogil:
     """Combine items ``first:last`` (one query block) into ``out``.
@@ -632,16 +651,16 @@ cdef void merge_partials(const int32_t* items, int first, int last, int group,
     [slot, part_queries, D], ``run_max`` and ``run_sum`` [slot, part_queries]
     (an item that is not split passes its own as slot 0).  With ``sinks``
     (float32 [num_heads], else NULL), head ``h``'s denominator gains
-    ``exp(sinks[h])``; everything is rescaled to the larger of the logits'
-    max and the sink, so that no exponent is positive.  With a
+    ``exp(sinks[h])`` (``pkv_output_scale`` of the variant contract).  With a
     ``rotation_block`` (int8 rows), the output is rotated back.
     """
+    cdef int heads_per_item = params.heads_per_item
     cdef const int32_t* item = items + first * PKV_W_FIELDS
     cdef int h0 = item[PKV_W_KV_HEAD], row0 = item[PKV_W_ROW0], row1 = item[PKV_W_ROW1]
     cdef int nq = (row1 - row0) * group, nq4 = padded_queries(nq)
     cdef int x, qi, w, d, head
     cdef Py_ssize_t part
-    cdef float m, total, weight, sink
+    cdef float m, total, weight, inv
     cdef float* dst
     cdef const float* src
     for x in range(heads_per_item * nq4):
@@ -649,24 +668,22 @@ cdef void merge_partials(const int32_t* items, int first, int last, int group,
         if qi >= nq:
             continue        # a padding query
         head = (h0 + x // nq4) * group + qi % group
-        sink = sinks[head] if sinks != NULL else -INFINITY
-        m = sink
+        m = -INFINITY
         for w in range(first, last):
             part = max(items[w * PKV_W_FIELDS + PKV_W_PART], 0) * part_queries + x
             m = max(m, run_max[part])
         dst = &out[row0 + qi // group, head, 0]
         for d in range(D):
             dst[d] = 0.0
-        if m == -INFINITY:
-            continue        # no key at all (cannot happen for a causal query); output 0
-        total = expf(sink - m) if sinks != NULL else 0.0
+        total = 0.0
         for w in range(first, last):
             part = max(items[w * PKV_W_FIELDS + PKV_W_PART], 0) * part_queries + x
-            weight = expf(run_max[part] - m)
+            weight = pkv_part_weight(run_max[part], m)
             total = total + run_sum[part] * weight
             src = acc + part * D
             for d in range(D):
                 dst[d] = dst[d] + src[d] * weight
+        inv = pkv_output_scale(m, total, sinks[head] if sinks != NULL else -INFINITY)
         for d in range(D):
-            dst[d] = dst[d] / total
-        pkv_rotate(dst, D, rotation_block, rotation_scale)
+            dst[d] = dst[d] * inv
+        pkv_rotate(dst, D, params.rotation_block, params.rotation_scale)

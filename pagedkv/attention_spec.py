@@ -1,10 +1,11 @@
 """What one attention call computes besides its inputs: scale, window, soft cap, sinks.
 
 :class:`AttentionSpec` is validated once, by the facade, and travels down to
-the backends as one object: the planner turns ``sliding_window`` into each
-work item's visible key band, and the kernels apply ``scale``,
-``logits_soft_cap`` and ``sinks``.  A new variant is a field here, its check
-in :meth:`AttentionSpec.from_arguments`, and its use in the kernels.
+the backends as one object: the planner turns its :class:`Band`
+(``sliding_window``, ``attention_chunk_size``) into each work item's visible key band, and the kernels
+apply ``scale``, ``logits_soft_cap`` and ``sinks``.  A new variant is a field
+here, its check in :meth:`AttentionSpec.from_arguments`, and its use in the
+variant contract of the kernels (``opencl/pkv_variant.h``) or the planner.
 """
 import math
 import numbers
@@ -16,8 +17,18 @@ import numpy as np
 from pagedkv._arrays import FLOAT_DTYPES
 from pagedkv.errors import ArgumentTypeError
 
-#: Positions are int32, so a window this wide already sees every position.
+#: Positions are int32, so a window (or a chunk) this wide already sees every position.
 MAX_WINDOW = 2**31 - 1
+
+
+def _positive_int(name, value):
+    """``value`` as an int >= 1 (no bool), capped at MAX_WINDOW, or ValueError."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ArgumentTypeError(f"{name}: expected an int >= 1, got "
+                                f"{type(value).__name__} {value!r}")
+    if value < 1:
+        raise ValueError(f"{name}: expected an int >= 1, got {value}")
+    return min(int(value), MAX_WINDOW)
 
 
 def _positive_float32(name, value):
@@ -37,6 +48,25 @@ def _positive_float32(name, value):
     return float(single)
 
 
+@dataclass(frozen=True)
+class Band:
+    """Which key positions the token at position ``p`` sees, besides ``j <= p``.
+
+    What the planner (:func:`pagedkv.backends.schedule.plan_attention`) turns
+    into each work item's band fields (``opencl/pkv_variant.h``), and the key
+    of a step's cached plans (hashable).
+
+    Attributes
+    ----------
+    sliding_window : int or None
+        ``W``: no position before ``p - W + 1``.
+    chunk_size : int or None
+        ``C``: no position before ``C * floor(p / C)``.
+    """
+    sliding_window: Optional[int] = None
+    chunk_size: Optional[int] = None
+
+
 @dataclass(frozen=True, eq=False)
 class AttentionSpec:
     """One attention variant.
@@ -45,7 +75,8 @@ class AttentionSpec:
     ``x_j = scale * q . k_j`` over the visible positions ``j``:
 
     * visible positions: ``max(0, p - sliding_window + 1) .. p`` (every
-      ``j <= p`` when ``sliding_window`` is None);
+      ``j <= p`` when ``sliding_window`` is None), and with
+      ``attention_chunk_size = C`` only those from ``C * floor(p / C)`` on;
     * ``logits_soft_cap = c``: ``x_j`` becomes ``c * tanh(x_j / c)``;
     * ``sinks``: the softmax denominator gains ``exp(sinks[h])`` (not scaled,
       nothing added to the numerator), i.e.
@@ -59,15 +90,19 @@ class AttentionSpec:
         ``sliding_window`` is ``W``.
     logits_soft_cap : float or None
     sinks : ndarray, shape [num_heads], float32, read-only, or None
+    attention_chunk_size : int or None
+        ``C``: Llama 4's ``attention_chunk_size`` (vLLM's chunked local attention).
     """
     scale: float
     sliding_window: Optional[int] = None
     logits_soft_cap: Optional[float] = None
     sinks: Optional[np.ndarray] = None
+    attention_chunk_size: Optional[int] = None
 
     @classmethod
     def from_arguments(cls, *, head_dim, num_heads, scale=None, sliding_window=None,
-                       logits_soft_cap=None, sinks=None, as_numpy=np.asarray):
+                       logits_soft_cap=None, sinks=None, attention_chunk_size=None,
+                       as_numpy=np.asarray):
         """Validate the variant arguments of ``PagedKVCache.attention``.
 
         Parameters
@@ -78,6 +113,7 @@ class AttentionSpec:
         sliding_window : int >= 1, optional
         logits_soft_cap : float > 0, optional
         sinks : array-like, shape [num_heads], optional
+        attention_chunk_size : int >= 1, optional
         as_numpy : callable
             Turns ``sinks`` into an ndarray (the facade passes its converter
             for torch tensors and other array types).
@@ -90,18 +126,14 @@ class AttentionSpec:
         """
         scale = 1.0 / math.sqrt(head_dim) if scale is None else _positive_float32("scale", scale)
         if sliding_window is not None:
-            if isinstance(sliding_window, bool) or \
-                    not isinstance(sliding_window, numbers.Integral):
-                raise ArgumentTypeError(f"sliding_window: expected an int >= 1, got "
-                                        f"{type(sliding_window).__name__} {sliding_window!r}")
-            if sliding_window < 1:
-                raise ValueError(f"sliding_window: expected an int >= 1, got {sliding_window}")
-            sliding_window = min(int(sliding_window), MAX_WINDOW)
+            sliding_window = _positive_int("sliding_window", sliding_window)
+        if attention_chunk_size is not None:
+            attention_chunk_size = _positive_int("attention_chunk_size", attention_chunk_size)
         if logits_soft_cap is not None:
             logits_soft_cap = _positive_float32("logits_soft_cap", logits_soft_cap)
         if sinks is not None:
             sinks = cls._check_sinks(as_numpy(sinks), num_heads)
-        return cls(scale, sliding_window, logits_soft_cap, sinks)
+        return cls(scale, sliding_window, logits_soft_cap, sinks, attention_chunk_size)
 
     @staticmethod
     def _check_sinks(values, num_heads):
@@ -120,8 +152,16 @@ class AttentionSpec:
         single.setflags(write=False)
         return single
 
+    @property
+    def band(self):
+        """The spec's :class:`Band`, or None for plain causal attention."""
+        if self.sliding_window is None and self.attention_chunk_size is None:
+            return None
+        return Band(self.sliding_window, self.attention_chunk_size)
+
     def with_window(self, window):
         """This spec with ``sliding_window`` narrowed to ``window`` (None: unchanged)."""
         if window is None or (self.sliding_window is not None and self.sliding_window <= window):
             return self
-        return AttentionSpec(self.scale, window, self.logits_soft_cap, self.sinks)
+        return AttentionSpec(self.scale, window, self.logits_soft_cap, self.sinks,
+                             self.attention_chunk_size)

@@ -509,7 +509,8 @@ class PagedKVCache:
     @exclusive
     def attention(self, layer: int, batch: StepBatch, q: Any, *, scale: Optional[float] = None,
                   sliding_window: Optional[int] = None,
-                  logits_soft_cap: Optional[float] = None, sinks: Any = None) -> Any:
+                  logits_soft_cap: Optional[float] = None, sinks: Any = None,
+                  attention_chunk_size: Optional[int] = None) -> Any:
         """Attention of the step's new tokens over their sequences' stored K/V.
 
         For query head ``h`` of the new token at position ``p`` (new token
@@ -540,6 +541,11 @@ class PagedKVCache:
             Learned attention sinks (gpt-oss; FlashInfer's and vLLM's ``sinks``):
             ``exp(sinks[h])`` joins head ``h``'s denominator, unscaled, and adds
             nothing to the numerator.
+        attention_chunk_size : int >= 1, optional
+            ``C``: position ``p`` sees only positions ``C * floor(p / C) .. p``,
+            its chunk up to itself (Llama 4's ``attention_chunk_size``; vLLM's
+            chunked local attention); with ``sliding_window`` too, the
+            positions both allow.  Pages no query of the step sees are not read.
 
         Returns
         -------
@@ -551,7 +557,8 @@ class PagedKVCache:
         ------
         ValueError
             A bad shape, a layer not stored this step, or a variant argument
-            out of range (``sliding_window < 1``, ``logits_soft_cap <= 0``, a
+            out of range (``sliding_window < 1``, ``attention_chunk_size < 1``,
+            ``logits_soft_cap <= 0``, a
             scale or cap not finite in float32, ``sinks`` of another shape or
             not finite); the message names the argument.  Nothing changes.
         """
@@ -566,6 +573,7 @@ class PagedKVCache:
         spec = AttentionSpec.from_arguments(
             head_dim=self.head_dim, num_heads=num_heads, scale=scale,
             sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, sinks=sinks,
+            attention_chunk_size=attention_chunk_size,
             as_numpy=lambda x: array_or_as_given("sinks", x))
         window = self.layer_windows[layer]
         if window is not None:

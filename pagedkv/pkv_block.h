@@ -343,15 +343,16 @@ PKV_NOINLINE void pkv_block_accumulate(float *acc, int ld, int nqp, int nq, cons
 
 /* -- online softmax over a block ------------------------------------------- */
 
-/* One block of online softmax for queries 0 : nqp (see the layouts above).
+/* One block of online softmax for queries 0 : nqp (see the layouts above),
+ * in the terms of the variant contract (opencl/pkv_variant.h).
  *
  * s[t * ld + q], t < nt: the block's logits in, the weights out.  Query q
  * sees the keys t in [lo[q], hi[q]) (0 <= lo <= hi <= nt; lo = hi = 0 for a
  * padding query); soft_cap > 0 caps the logits first.  Weights of keys a
  * query does not see are zero.  run_max, run_sum [nqp]: the running max and
- * sum; alpha [nqp] receives exp(old max - new max), the factor that
- * rescales query q's accumulator (1 while a query has seen no key).  tmp:
- * 2 * nqp floats.  The loops run along queries, in vectors. */
+ * sum; alpha [nqp] receives pkv_rescale, the factor that rescales query q's
+ * accumulator.  tmp: 2 * nqp floats.  The loops run along queries, in
+ * vectors. */
 static void pkv_block_softmax(float *restrict s, int ld, int nqp, int nt, int nq,
                               const int32_t *restrict lo, const int32_t *restrict hi,
                               float soft_cap, float *restrict run_max, float *restrict run_sum,
@@ -360,7 +361,7 @@ static void pkv_block_softmax(float *restrict s, int ld, int nqp, int nt, int nq
     int banded = 0;
     for (int q = 0; q < nq; q++) banded |= lo[q] != 0 || hi[q] != nt;
     if (soft_cap > 0.0f)
-        for (int t = 0; t < nt; t++) pkv_soft_cap(s + (long)t * ld, nqp, soft_cap);
+        for (int t = 0; t < nt; t++) pkv_logits(s + (long)t * ld, nqp, soft_cap);
     for (int q = 0; q < nqp; q++) {
         m[q] = run_max[q];
         sum[q] = 0.0f;
@@ -371,21 +372,19 @@ static void pkv_block_softmax(float *restrict s, int ld, int nqp, int nt, int nq
         for (int t = 0; t < nt; t++) {
             const float *row = s + (long)t * ld;
             #pragma omp simd
-            for (int q = 0; q < nqp; q++) m[q] = row[q] > m[q] ? row[q] : m[q];
+            for (int q = 0; q < nqp; q++) m[q] = pkv_max_step(m[q], row[q], 1);
         }
     } else {
         for (int t = 0; t < nt; t++) {
             const float *row = s + (long)t * ld;
             #pragma omp simd
             for (int q = 0; q < nqp; q++)
-                m[q] = t >= lo[q] && t < hi[q] && row[q] > m[q] ? row[q] : m[q];
+                m[q] = pkv_max_step(m[q], row[q], t >= lo[q] && t < hi[q]);
         }
     }
     #pragma omp simd
     for (int q = 0; q < nqp; q++) {
-        /* -inf - -inf is NaN: a query that has seen no key keeps factor 1 */
-        const float e = pkv_exp_nonpositive(run_max[q] - m[q]);
-        alpha[q] = m[q] == -INFINITY ? 1.0f : e;
+        alpha[q] = pkv_rescale(run_max[q], m[q]);
         run_max[q] = m[q];
     }
     if (!banded) {
@@ -393,9 +392,9 @@ static void pkv_block_softmax(float *restrict s, int ld, int nqp, int nt, int nq
             float *row = s + (long)t * ld;
             #pragma omp simd
             for (int q = 0; q < nqp; q++) {
-                const float e = pkv_exp_nonpositive(row[q] - m[q]);
-                row[q] = e;
-                sum[q] += e;
+                const float w = pkv_weight(row[q], m[q], 1);
+                row[q] = w;
+                sum[q] += w;
             }
         }
     } else {
@@ -403,8 +402,7 @@ static void pkv_block_softmax(float *restrict s, int ld, int nqp, int nt, int nq
             float *row = s + (long)t * ld;
             #pragma omp simd
             for (int q = 0; q < nqp; q++) {
-                const float e = pkv_exp_nonpositive(row[q] - m[q]);
-                const float w = t >= lo[q] && t < hi[q] ? e : 0.0f;
+                const float w = pkv_weight(row[q], m[q], t >= lo[q] && t < hi[q]);
                 row[q] = w;
                 sum[q] += w;
             }

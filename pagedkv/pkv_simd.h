@@ -398,82 +398,82 @@ PKV_INLINE float pkv_exp_nonpositive(float x) {
     return x < -87.0f ? 0.0f : p * scale.f;
 }
 
-/* s[i] = exp(s[i] - m) for s[i] <= m; returns the sum of the results. */
-static inline float pkv_exp_shifted(float *restrict s, int n, float m) {
-    float total = 0.0f;
-    #pragma omp simd reduction(+:total)
-    for (int i = 0; i < n; i++) {
-        const float e = pkv_exp_nonpositive(s[i] - m);
-        s[i] = e;
-        total += e;
-    }
-    return total;
-}
-
 #include "pkv_tanh.h"
 PKV_DEFINE_TANH(PKV_INLINE, pkv_tanh, float, pkv_exp_nonpositive, __builtin_fabsf,
                 __builtin_copysignf)
 
-/* Logit soft-capping: s[i] = cap * tanh(s[i] / cap). */
-static inline void pkv_soft_cap(float *restrict s, int n, float cap) {
+/* The variant contract (opencl/pkv_variant.h), over this file's exp and tanh. */
+#define PKV_VARIANT_EXP pkv_exp_nonpositive
+#define PKV_VARIANT_TANH pkv_tanh
+#include "pkv_variant.h"
+
+/* The logit transform on s[0 : n], where it does anything (a soft cap). */
+static inline void pkv_logits(float *restrict s, int n, float cap) {
     const float inverse = 1.0f / cap;
     #pragma omp simd
-    for (int i = 0; i < n; i++) s[i] = cap * pkv_tanh(s[i] * inverse);
+    for (int i = 0; i < n; i++) s[i] = pkv_logit(s[i], cap, inverse);
 }
 
 
 /* One page of online softmax for queries 0 : nq_padded (see attend_item).
  *
- * s[qi * ld + t], t < nt: the page's logits in, the weights out.  Query
- * qi < nq (query row qi / group) sees the keys of its band, t in
- * [first_lo + qi / group, first_hi + qi / group) within [0, nt); padding
- * queries qi >= nq see none.  soft_cap > 0 caps the visible logits first.
- * Weights outside the band are zero, so that queries can share one
- * accumulation.  run_max and run_sum [nq_padded] are the running max and sum;
- * alpha[qi] receives exp(old max - new max), the factor that rescales query
- * qi's accumulator. */
+ * s[qi * ld + t], t < nt: the logits of the keys at positions first_key + t
+ * in, the weights out.  Query qi < nq (row qi / group of the item whose band
+ * is `band`) sees the keys of its band (pkv_band_lo/hi) within the page;
+ * padding queries qi >= nq see none.  soft_cap > 0 caps the logits first.
+ * Weights of keys a query does not see are zero, so that queries can share
+ * one accumulation.  run_max and run_sum [nq_padded] are the running max and
+ * sum; alpha[qi] receives pkv_rescale, the factor that rescales query qi's
+ * accumulator. */
 static inline void pkv_softmax_page(float *restrict s, int ld, int nq, int nq_padded, int nt,
-                                    int64_t first_lo, int64_t first_hi, int group,
+                                    pkv_band band, int64_t first_key, int group,
                                     float soft_cap, float *restrict run_max,
                                     float *restrict run_sum, float *restrict alpha) {
     /* A full page's rows are contiguous: capping all of them in one loop
      * costs less than a short loop per query's band (keys outside the band
      * are zeroed below either way). */
     const int cap_rows = soft_cap > 0.0f && nt == ld;
-    if (cap_rows) pkv_soft_cap(s, nq * ld, soft_cap);
+    if (cap_rows) pkv_logits(s, nq * ld, soft_cap);
     /* Queries go in chunks of 16, so that the rescale factors of a chunk are
-     * exponentiated in one vector call rather than one call per query. */
+     * exponentiated in one vector loop rather than one call per query. */
     for (int q0 = 0; q0 < nq_padded; q0 += 16) {
         const int q1 = q0 + 16 < nq_padded ? q0 + 16 : nq_padded;
-        float page_sum[16];
+        float page_sum[16], old_max[16];
         for (int qi = q0; qi < q1; qi++) {
             float *row = s + qi * ld;
             int64_t lo = 0, hi = 0;
             if (qi < nq) {
-                lo = first_lo + qi / group;
-                hi = first_hi + qi / group;
+                lo = pkv_band_lo(band, qi / group) - first_key;
+                hi = pkv_band_hi(band, qi / group) - first_key;
                 lo = lo > 0 ? lo : 0;
                 hi = hi < nt ? hi : nt;
             }
-            alpha[qi] = 0.0f;                 /* exponent of the rescale: none */
+            old_max[qi - q0] = run_max[qi];
             page_sum[qi - q0] = 0.0f;
             if (hi <= lo) {
                 for (int t = 0; t < nt; t++) row[t] = 0.0f;
                 continue;
             }
             const int n = (int)(hi - lo);
-            float *band = row + lo;
-            if (soft_cap > 0.0f && !cap_rows) pkv_soft_cap(band, n, soft_cap);
+            float *visible = row + lo;
+            if (soft_cap > 0.0f && !cap_rows) pkv_logits(visible, n, soft_cap);
             float m = run_max[qi];
             #pragma omp simd reduction(max:m)
-            for (int t = 0; t < n; t++) m = band[t] > m ? band[t] : m;
-            page_sum[qi - q0] = pkv_exp_shifted(band, n, m);
+            for (int t = 0; t < n; t++) m = pkv_max_step(m, visible[t], 1);
+            float total = 0.0f;
+            #pragma omp simd reduction(+:total)
+            for (int t = 0; t < n; t++) {
+                const float w = pkv_weight(visible[t], m, 1);
+                visible[t] = w;
+                total += w;
+            }
+            page_sum[qi - q0] = total;
             for (int t = 0; t < lo; t++) row[t] = 0.0f;
             for (int t = (int)hi; t < nt; t++) row[t] = 0.0f;
-            alpha[qi] = run_max[qi] - m;      /* -inf for a query's first key: factor 0 */
             run_max[qi] = m;
         }
-        pkv_exp_shifted(alpha + q0, q1 - q0, 0.0f);
+        #pragma omp simd
+        for (int qi = q0; qi < q1; qi++) alpha[qi] = pkv_rescale(old_max[qi - q0], run_max[qi]);
         for (int qi = q0; qi < q1; qi++) run_sum[qi] = run_sum[qi] * alpha[qi] + page_sum[qi - q0];
     }
 }

@@ -11,17 +11,76 @@ import numpy as np
 TOLERANCE = {
     "float32": dict(rtol=2e-5, atol=2e-5),
     "float16": dict(rtol=2e-3, atol=2e-3),
+    "bfloat16": dict(rtol=2e-5, atol=2e-5),
     "int8": dict(rtol=2e-5, atol=2e-5),
 }
 
 
+def round_to_bfloat16(x):
+    """bfloat16 storage of float32 ``x``, returned as float32: round to nearest even.
+
+    Done on the float32 bits (numpy has no bfloat16): the low 16 bits are
+    dropped after adding ``0x7FFF`` plus the lowest kept bit, so that a tie
+    goes to the even neighbour, values above the largest bfloat16 round to
+    inf, and denormals round like any other value.  NaN stays NaN (its sign
+    kept, quieted), which plain rounding would turn into inf for small payloads.
+
+    Parameters
+    ----------
+    x : array-like, any shape; converted to float32 first
+
+    Returns
+    -------
+    ndarray, same shape, float32, every value representable in bfloat16
+    """
+    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    lowest_kept = (bits >> np.uint32(16)) & np.uint32(1)
+    rounded = (bits.astype(np.uint64) + np.uint64(0x7FFF) + lowest_kept) >> np.uint64(16)
+    rounded = rounded.astype(np.uint32)
+    nan = (bits & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
+    quiet = (bits >> np.uint32(16)) | np.uint32(0x0040)
+    high = np.where(nan, quiet, rounded).astype(np.uint32)
+    return (high << np.uint32(16)).view(np.float32)
+
+
 def round_to_storage(x, dtype):
-    """What storage in ``dtype`` keeps of float32 ``x``."""
+    """What storage in ``dtype`` keeps of float32 ``x`` (``"bfloat16"`` included)."""
+    if isinstance(dtype, str) and dtype == "bfloat16" or getattr(dtype, "name", None) == "bfloat16":
+        return round_to_bfloat16(x)
     return np.asarray(x, dtype=np.float32).astype(dtype).astype(np.float32)
 
 
+def visible_keys(positions, num_keys, sliding_window=None, attention_chunk_size=None):
+    """Which keys each query sees.
+
+    Parameters
+    ----------
+    positions : ndarray, shape [n], int
+    num_keys : int
+    sliding_window : int, optional
+        Query at ``p`` sees only ``max(0, p - W + 1) .. p``.
+    attention_chunk_size : int, optional
+        Query at ``p`` sees only ``C * floor(p / C) .. p``.  With a window as
+        well: the keys both allow.
+
+    Returns
+    -------
+    ndarray, shape [n, num_keys], bool
+    """
+    positions = np.asarray(positions, dtype=np.int64)
+    keys = np.arange(num_keys, dtype=np.int64)
+    visible = keys[None, :] <= positions[:, None]
+    if sliding_window is not None:
+        visible &= keys[None, :] > positions[:, None] - sliding_window
+    if attention_chunk_size is not None:
+        chunk_start = positions // attention_chunk_size * attention_chunk_size
+        visible &= keys[None, :] >= chunk_start[:, None]
+    return visible
+
+
 def dense_attention(q, k, v, positions, scale=None, sliding_window=None, logits_soft_cap=None,
-                    sinks=None):
+                    sinks=None, attention_chunk_size=None, alibi_slopes=None,
+                    alibi_before_soft_cap=False):
     """Attention of queries at ``positions`` over one sequence's keys, in float64.
 
     Parameters
@@ -29,13 +88,24 @@ def dense_attention(q, k, v, positions, scale=None, sliding_window=None, logits_
     q : ndarray, shape [n, num_heads, D]
     k, v : ndarray, shape [L, num_kv_heads, D]
     positions : ndarray, shape [n], int
-        Query ``i`` sees keys ``0 .. positions[i]`` (causal), or only the last
-        ``sliding_window`` of them.
+        Query ``i`` sees keys ``0 .. positions[i]`` (causal), or only those
+        that ``sliding_window`` and ``attention_chunk_size`` allow
+        (:func:`visible_keys`).  Keys no query sees never reach the result,
+        whatever they hold (NaN included).
     scale : float, default ``1/sqrt(D)``
     logits_soft_cap : float, optional
         Logits ``x`` become ``c * tanh(x / c)``.
     sinks : ndarray, shape [num_heads], optional
         ``exp(sinks[h])`` joins head ``h``'s softmax denominator.
+    attention_chunk_size : int, optional
+        Query at ``p`` sees only keys ``C * floor(p / C) .. p``.
+    alibi_slopes : ndarray, shape [num_heads], optional
+        Head ``h``'s logit for key ``j`` of the query at ``p`` gains
+        ``alibi_slopes[h] * (j - p)``, ``j - p`` an integer, after ``scale``
+        and after the soft cap.
+    alibi_before_soft_cap : bool
+        Add the ALiBi bias before the soft cap instead (not the contract's
+        order: for tests that show the order matters).
 
     Returns
     -------
@@ -49,18 +119,26 @@ def dense_attention(q, k, v, positions, scale=None, sliding_window=None, logits_
         return np.zeros(q.shape)
     group = num_heads // k.shape[1]
     scale = 1.0 / np.sqrt(head_dim) if scale is None else scale
-    positions = np.asarray(positions)
-    keys = np.arange(k.shape[0])
-    visible = keys[None, :] <= positions[:, None]
-    if sliding_window is not None:
-        visible &= keys[None, :] > positions[:, None] - sliding_window
-    lo = int(np.argmax(visible.any(axis=0)))    # keys before every window are never read
+    positions = np.asarray(positions, dtype=np.int64)
+    visible = visible_keys(positions, k.shape[0], sliding_window, attention_chunk_size)
+    seen = visible.any(axis=0)
+    lo = int(np.argmax(seen))                    # keys before every window are never read
+    k = np.where(seen[:, None, None], k, 0.0)    # nor are any others no query sees
+    v = np.where(seen[:, None, None], v, 0.0)
     k = np.repeat(k[lo:], group, axis=1)         # [L', num_heads, D]
     v = np.repeat(v[lo:], group, axis=1)
     visible = visible[:, lo:]
     scores = np.einsum("nhd,lhd->hnl", q, k) * scale
+    bias = None
+    if alibi_slopes is not None:
+        distance = np.arange(lo, lo + k.shape[0], dtype=np.int64)[None, :] - positions[:, None]
+        bias = np.asarray(alibi_slopes, dtype=np.float64)[:, None, None] * distance[None]
+    if bias is not None and alibi_before_soft_cap:
+        scores = scores + bias
     if logits_soft_cap is not None:
         scores = logits_soft_cap * np.tanh(scores / logits_soft_cap)
+    if bias is not None and not alibi_before_soft_cap:
+        scores = scores + bias
     scores[:, ~visible] = -np.inf
     top = scores.max(axis=-1, keepdims=True)
     if sinks is not None:
@@ -126,13 +204,16 @@ class Harness:
     queries, and asserts the output equals the dense reference.
     """
 
-    def __init__(self, cache, num_heads=None, seed=0):
+    def __init__(self, cache, num_heads=None, seed=0, dtype=None):
+        # ``dtype``: the storage dtype's name, when ``cache.dtype.name`` is not it
+        # (bfloat16, which numpy has no dtype for)
         self.cache = cache
+        self.dtype_name = cache.dtype.name if dtype is None else dtype
         self.ref = ReferenceCache(cache.num_layers, cache.num_kv_heads, cache.head_dim,
-                                  cache.dtype.name)
+                                  self.dtype_name)
         self.num_heads = num_heads or cache.num_kv_heads
         self.rng = np.random.default_rng(seed)
-        self.tol = TOLERANCE[cache.dtype.name]
+        self.tol = TOLERANCE[self.dtype_name]
 
     def add(self):
         s = self.cache.add_sequence()

@@ -194,3 +194,72 @@ def test_numpy_scalar_variant_arguments_are_accepted(backend):
     h.step([s], 2, scale=np.float32(0.3), sliding_window=np.int64(5),
            logits_soft_cap=np.float64(1.2), sinks=list(sinks_for(8)))
     h.step([s], 1, scale=2, logits_soft_cap=3)
+
+
+# -- attention_chunk_size (chunked local attention) ------------------------------------
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("chunk,window", [(1, None), (7, None), (16, None), (23, None),
+                                          (9, 5), (5, 9)])
+def test_chunks_alone_and_with_windows(backend, dtype, chunk, window):
+    # prefill (block path: many queries per KV head), decode (page path) and a
+    # chunked prefill next to a decode, with queries on both sides of chunk ends
+    h = make(backend, page_size=7, dtype=dtype)
+    prefill_decode_chunk(h, attention_chunk_size=chunk, sliding_window=window,
+                         logits_soft_cap=1.5 if chunk == 7 else None)
+
+
+def test_chunked_prefill_many_rows_per_item_crosses_a_chunk(backend):
+    # one item's query rows span a chunk boundary: its rows see different starts
+    h = make(backend, page_size=16, group=8)
+    s = h.add()
+    h.step([s], 150, attention_chunk_size=64, sinks=sinks_for(16))
+    h.step([s], 1, attention_chunk_size=64)
+
+
+def test_chunked_decode_reads_only_its_chunk(backend):
+    # split-K over a long context: the plan's key ranges start at the chunk
+    from pagedkv.attention_spec import AttentionSpec
+    from pagedkv.backends.schedule import ITEM
+    h = make(backend, page_size=16, num_pages=400, group=1)
+    s = h.add()
+    h.step([s], 3000, check=False)
+    batch = h.step([s], 1, attention_chunk_size=1024)   # position 3000: sees 2048 .. 3000
+    spec = AttentionSpec.from_arguments(
+        head_dim=64, num_heads=2, attention_chunk_size=1024)
+    plan = batch._tables.plan(None, 2, spec.band)
+    items = plan.host_items if hasattr(plan, "host_items") else plan.items
+    assert items[:, ITEM.KEY0].min() == 2048 and items[:, ITEM.KEY1].max() == 3001
+
+
+@pytest.mark.parametrize("hide", ["pages", "positions"])
+def test_positions_before_every_chunk_are_never_read(backend, hide):
+    """NaN K/V before the chunk of every query of the step (whole pages, or every
+    position before the chunk's start): results stay finite and right."""
+    ps, chunk = 16, 48
+    cache = pagedkv.PagedKVCache(1, 2, 32, num_pages=64, page_size=ps, backend=backend)
+    rng = np.random.default_rng(5)
+    a, b = cache.add_sequence(), cache.add_sequence()
+    lengths = [200, 100]               # the step's rows: 200..202 and 100..102
+    k = [rng.standard_normal((n + 3, 2, 32), dtype=np.float32) for n in lengths]
+    v = [rng.standard_normal((n + 3, 2, 32), dtype=np.float32) for n in lengths]
+    for kk, vv, n in zip(k, v, lengths):
+        first_seen = n // chunk * chunk
+        hidden = first_seen // ps * ps if hide == "pages" else first_seen
+        kk[:hidden] = np.nan
+        vv[:hidden] = np.nan
+    batch = cache.append([a, b], lengths)
+    cache.store(0, batch, np.concatenate([kk[:n] for kk, n in zip(k, lengths)]),
+                np.concatenate([vv[:n] for vv, n in zip(v, lengths)]))
+    batch = cache.append([a, b], 3)
+    cache.store(0, batch, np.concatenate([kk[n:] for kk, n in zip(k, lengths)]),
+                np.concatenate([vv[n:] for vv, n in zip(v, lengths)]))
+    q = rng.standard_normal((6, 4, 32), dtype=np.float32)
+    for variant in (dict(attention_chunk_size=chunk),
+                    dict(attention_chunk_size=chunk, sliding_window=30, sinks=sinks_for(4))):
+        out = cache.attention(0, batch, q, **variant)
+        assert np.isfinite(out).all()
+        for i, n in enumerate(lengths):
+            expected = dense_attention(q[3 * i:3 * i + 3], k[i], v[i], np.arange(n, n + 3),
+                                       **variant)
+            np.testing.assert_allclose(out[3 * i:3 * i + 3], expected, **TOLERANCE["float32"])

@@ -49,7 +49,7 @@ def fallback_kernels(tmp_path_factory):
     shutil.copy(sources / "_kernels.pyx", build / "fallback_kernels.pyx")
     for header in ("pkv_half.h", "pkv_simd.h", "pkv_block.h", "pkv_quant.h"):
         shutil.copy(sources / header, build / header)
-    for header in ("pkv_work_item.h", "pkv_storage.h", "pkv_tanh.h"):
+    for header in ("pkv_work_item.h", "pkv_storage.h", "pkv_tanh.h", "pkv_variant.h"):
         shutil.copy(files("pagedkv.opencl") / header, build / header)
     (build / "setup.py").write_text(SETUP)
     result = subprocess.run([sys.executable, "setup.py"], cwd=build, capture_output=True,

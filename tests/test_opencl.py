@@ -372,9 +372,27 @@ def test_layout_fits_small_devices():
 
     for head_dim in (8, 64, 128, 256):
         layout = KernelLayout(Tiny, head_dim)
-        assert layout.work_group_size <= 32 and layout.local_bytes <= 2048
+        assert layout.work_group_size <= 32 and layout.local_memory == 2048
         assert head_dim % layout.vector_width == 0
         assert layout.max_queries % layout.query_tile == 0
+
+
+@needs_opencl
+@pytest.mark.parametrize("budget", [6144, 16384])
+def test_kernel_local_memory_fits_the_layout_budget(cl_device, budget):
+    # the driver's count of the built kernel, not a formula, decides: a small
+    # budget gets a smaller layout, with the same results
+    options = {"layout": dict(kind="gpu", local_memory=budget)}
+    cache = opencl_cache(cl_device, 2, 32, backend_options=options)
+    backend = cache._backend
+    assert backend._k_attention.local_memory(backend.device) <= budget
+    default = opencl_cache(cl_device, 2, 32, backend_options=layout_options("gpu"))._backend
+    assert backend.layout.chunk * backend.layout.max_queries <= \
+        default.layout.chunk * default.layout.max_queries
+    host_out, _ = run_workload("host", "float16")
+    ocl_out, _ = run_workload("opencl", "float16", device=cl_device, backend_options=options)
+    for expected, got in zip(host_out, ocl_out):
+        np.testing.assert_allclose(got, expected, **TOLERANCE["float32"])
 
 
 def test_layout_kind_follows_the_gpu_bit():
@@ -435,6 +453,50 @@ def test_cpu_layout_work_per_work_item_is_bounded(cl_device, head_dim, group, ro
         worst.append(int(work.max()))
     assert max(worst[2:]) <= layout.max_work_item_iterations
     assert layout.attention_iterations(rows * group, 300_000) > layout.max_work_item_iterations
+
+
+@needs_opencl
+@pytest.mark.parametrize("head_dim,group,rows", [(128, 4, 1), (64, 8, 3), (128, 1, 64)])
+def test_kernel_loop_counts_stay_within_the_bound(cl_device, head_dim, group, rows):
+    # The kernel counts its own loop iterations (a PKV_COUNT_LOOPS build): every
+    # work-item of every item and merge stays within the layout's budget, and
+    # within the model (KernelLayout.attention_iterations, merge_iterations)
+    # the planner cuts key ranges by.
+    from pagedkv.attention_spec import AttentionSpec
+    from pagedkv.backends.base import StepTables
+    options = {"layout": dict(kind="cpu", count_loops=True)}
+    cache = opencl_cache(cl_device, 1, head_dim, num_pages=4, page_size=16,
+                         backend_options=options)
+    backend = cache._backend
+    layout = backend.layout
+    spec = AttentionSpec.from_arguments(head_dim=head_dim, num_heads=group, logits_soft_cap=30.0)
+    for seq_len in (rows, 3_000, 12_000 if rows == 64 else 40_000):
+        # every page of the table is page 0: the counts depend on the plan alone
+        pages = -(-seq_len // 16)
+        tables = StepTables(query_start=np.array([0, rows], np.int32),
+                            seq_lens=np.array([seq_len], np.int32),
+                            slot_mapping=np.full(rows, -1, np.int64),
+                            page_indptr=np.array([0, pages], np.int32),
+                            page_indices=np.zeros(pages, np.int32))
+        backend.prepare_step(tables)
+        q = np.random.default_rng(0).standard_normal((rows, group, head_dim), dtype=np.float32)
+        assert np.isfinite(backend.attention(0, tables, q, spec)).all()
+        plan = tables.plan(None, group, None)
+        items = plan.host_items
+        queries = (items[:, ITEM.ROW1] - items[:, ITEM.ROW0]) * plan.group
+        keys = items[:, ITEM.KEY1] - items[:, ITEM.KEY0]
+        attention, merge = backend.last_loop_counts
+        busiest = attention.reshape(plan.num_items, layout.work_group_size).max(axis=1)
+        assert busiest.max() <= layout.max_work_item_iterations, (seq_len, busiest.max())
+        assert (busiest <= layout.attention_iterations(queries, keys)).all()
+        assert busiest.min() > 0
+        if plan.num_segments:
+            parts = np.diff(plan.host_seg_parts)
+            merged = merge.reshape(plan.num_segments, layout.merge_work_group_size).max(axis=1)
+            assert merged.max() <= layout.max_work_item_iterations
+            assert (merged <= layout.merge_iterations(queries[plan.host_seg_items], parts)).all()
+        else:
+            assert merge is None
 
 
 def attend_at_the_end(cache, seed, seq_len, new, num_heads):

@@ -64,12 +64,22 @@ class KernelLayout:
         Copy each chunk's K (V) rows into local memory as floats first: the
         pools are then read as sequential streams (CPU prefetchers, GPU
         coalescing), and float16 is converted once per element.
+    local_memory : int
+        Most bytes of local memory one attention work-group may use (default:
+        half the device's).  The backend checks the built kernel's own count
+        (``CL_KERNEL_LOCAL_MEM_SIZE``) against it and, while it is over,
+        builds the next layout of :meth:`smaller_for_local_memory`.
+    count_loops : bool
+        Build the kernels with ``PKV_COUNT_LOOPS``: each attention call then
+        leaves every work-item's loop iterations in the backend's
+        ``last_loop_counts`` (tests of the bound below).  Default False.
     """
 
     #: The attributes ``**overrides`` may force.
     OVERRIDABLE = ("kind", "work_group_size", "vector_width", "column_tile", "query_tile",
                    "key_tile", "chunk", "max_queries", "stage_k", "stage_v",
-                   "merge_work_group_size", "max_work_item_iterations")
+                   "merge_work_group_size", "max_work_item_iterations", "local_memory",
+                   "count_loops")
 
     def __init__(self, device, head_dim, storage=None, **overrides):
         import pyopencl as cl
@@ -125,28 +135,34 @@ class KernelLayout:
             largest = acc_floats * self.work_group_size // self.max_queries
             raise ValueError(f"head_dim: the OpenCL attention kernel holds at most {largest} "
                              f"values per head on {device.name.strip()}, got {head_dim}")
-        # Local memory: shrink the chunk (down to 8 keys while staging), then
-        # the queries; give up staging last.
-        budget = device.local_mem_size // 2
-        chunk = self.chunk
-        while self.local_bytes > budget:
-            staging = self.stage_k or self.stage_v
-            if self.chunk > max(self.key_tile, 8 if staging else 1):
-                self.chunk //= 2
-            elif self.max_queries > self.query_tile:
-                self.max_queries //= 2
-            elif staging and not self.storage.scaled:
-                self.stage_k = self.stage_v = False
-                self.chunk = chunk
-            else:
-                raise ValueError(f"head_dim: {device.name.strip()} has too little local memory "
-                                 f"({device.local_mem_size} bytes) for the attention kernel")
+        self.local_memory = int(overrides.get("local_memory", device.local_mem_size // 2))
+        # a diagnostic build: the kernels report each work-item's loop iterations
+        self.count_loops = bool(overrides.get("count_loops", False))
+        self._device_name = device.name.strip()
 
-    @property
-    def local_bytes(self):
-        """Local memory of one attention work-group, in bytes."""
-        staged = 4 * self.chunk * self.head_dim * (self.stage_k + self.stage_v)
-        return staged + 4 * self.max_queries * self.chunk + 12 * self.chunk + 16 * self.max_queries
+    def smaller_for_local_memory(self, overrides, used, first_chunk):
+        """The overrides of the next smaller layout, for a built kernel that uses
+        ``used`` bytes of local memory, more than ``local_memory``.
+
+        The chunk is halved first (down to 8 keys while staging), then the
+        queries; staging goes last, with the chunk back at ``first_chunk``.
+
+        Raises
+        ------
+        ValueError
+            No smaller layout is left.
+        """
+        staging = self.stage_k or self.stage_v
+        if self.chunk > max(self.key_tile, 8 if staging else 1):
+            return dict(overrides, chunk=self.chunk // 2)
+        if self.max_queries > self.query_tile:
+            return dict(overrides, chunk=self.chunk, max_queries=self.max_queries // 2)
+        if staging and not self.storage.scaled:
+            return dict(overrides, stage_k=False, stage_v=False, chunk=first_chunk,
+                        max_queries=self.max_queries)
+        raise ValueError(f"head_dim: {self._device_name} has too little local memory "
+                         f"({self.local_memory} bytes for a work-group) for the attention "
+                         f"kernel, whose smallest layout takes {used}")
 
     # -- bounded work per work-item -----------------------------------------------
     def _per_item(self, n, width=None):
@@ -177,7 +193,8 @@ class KernelLayout:
         per_chunk = (1 + self._per_item(self.chunk)
                      + (self._per_item(self.chunk * self.split) if staged else 0)
                      + self._per_item(query_blocks * (self.chunk // self.key_tile)) * (1 + vectors)
-                     + self._per_item(nq) * (self.softmax_width + 2 * (self.chunk // self.softmax_width) + 1)
+                     # per query: zeroing the last vector's lanes, the soft cap, max, weights
+                     + self._per_item(nq) * (self.softmax_width + 3 * (self.chunk // self.softmax_width) + 1)
                      + out_loop * (out_head + self.chunk))
         prologue = self._per_item(nq) + (out_per_item if out_per_item > 8 else 0)
         epilogue = out_loop + self._per_item(nq)
@@ -241,6 +258,7 @@ class KernelLayout:
             f"-DPKV_STAGE_K={int(self.stage_k)}", f"-DPKV_STAGE_V={int(self.stage_v)}",
             f"-DPKV_SPLIT={self.split}", f"-DPKV_SW={self.softmax_width}",
             f"-DPKV_MERGE_WG={self.merge_work_group_size}",
+            f"-DPKV_COUNT_LOOPS={int(self.count_loops)}",
             # -cl-mad-enable only: never -cl-fast-relaxed-math or -cl-finite-math-only.
             # The kernels use -INFINITY as the "no key yet" max and mask with it,
             # which finite-math lets a compiler assume away (Intel's then warns

@@ -94,6 +94,12 @@ class KernelCall:
             return self._cl.enqueue_nd_range_kernel(queue, self.kernel, global_size, local_size,
                                                     wait_for=wait_for or None)
 
+    def local_memory(self, device):
+        """Bytes of local memory one work-group of this kernel takes on ``device``
+        (the driver's count, ``CL_KERNEL_LOCAL_MEM_SIZE``)."""
+        return self.kernel.get_work_group_info(
+            self._cl.kernel_work_group_info.LOCAL_MEM_SIZE, device)
+
     def work_group_limit(self, device):
         """The most work-items per work-group this kernel allows on ``device``."""
         return self.kernel.get_work_group_info(

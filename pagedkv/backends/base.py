@@ -49,16 +49,17 @@ class StepTables:
     def num_tokens(self):
         return len(self.slot_mapping)
 
-    def plan(self, make_plan, num_heads, sliding_window):
-        """The attention plan of this step for a query-head count and window.
+    def plan(self, make_plan, num_heads, band):
+        """The attention plan of this step for a query-head count and band.
 
-        ``make_plan(self, num_heads, sliding_window)`` runs once per distinct
-        pair; every layer of the step then reuses its plan (work list,
-        uploads, thread count).
+        ``band``: an :class:`pagedkv.attention_spec.Band`, or None (causal).
+        ``make_plan(self, num_heads, band)`` runs once per distinct pair;
+        every layer of the step then reuses its plan (work list, uploads,
+        thread count).
         """
-        key = (num_heads, sliding_window)
+        key = (num_heads, band)
         if key not in self._plans:
-            self._plans[key] = make_plan(self, num_heads, sliding_window)
+            self._plans[key] = make_plan(self, num_heads, band)
         return self._plans[key]
 
 

@@ -126,17 +126,21 @@ class HostBackend(Backend):
 
     def attention(self, layer, tables, q, spec, out=None):
         q = self._host_f32(q)
-        plan = tables.plan(self._plan, q.shape[1], spec.sliding_window)
+        plan = tables.plan(self._plan, q.shape[1], spec.band)
         out = np.empty_like(q) if out is None else out
+        params = dict(heads_per_item=plan.heads_per_item, max_rows_per_item=plan.max_rows,
+                      scale=spec.scale, soft_cap=spec.logits_soft_cap or 0.0,
+                      rotation_block=self.storage.rotation_block,
+                      rotation_scale=self.storage.rotation_scale,
+                      num_threads=_fork_safe(plan.num_threads))
         _kernels.paged_attention(
-            q, self._k[layer], self._v[layer], self._k_scales[layer], self._v_scales[layer],
-            tables.page_indptr, tables.page_indices, plan.items, plan.item_offsets,
-            plan.heads_per_item, plan.max_rows, spec.scale, spec.logits_soft_cap or 0.0,
-            spec.sinks, self.storage.rotation_block, self.storage.rotation_scale, out,
-            _fork_safe(plan.num_threads))
+            q=q, k_pool=self._k[layer], v_pool=self._v[layer], k_scales=self._k_scales[layer],
+            v_scales=self._v_scales[layer], page_indptr=tables.page_indptr,
+            page_indices=tables.page_indices, items=plan.items, item_offsets=plan.item_offsets,
+            sinks=spec.sinks, out=out, params=params)
         return out
 
-    def _plan(self, tables, num_heads, sliding_window):
+    def _plan(self, tables, num_heads, band):
         """Work items for one step, reused by every layer.
 
         An item covers as many KV heads as the query budget allows while the
@@ -150,8 +154,9 @@ class HostBackend(Backend):
         rows_per_block = max(1, _QUERIES_PER_ITEM // group)
         num_rows = np.diff(tables.query_start)
         # every row's keys at most: its sequence, or its window and the step's rows
-        visible = tables.seq_lens if sliding_window is None else \
-            np.minimum(tables.seq_lens, sliding_window + num_rows)
+        window = None if band is None else band.sliding_window
+        visible = tables.seq_lens if window is None else \
+            np.minimum(tables.seq_lens, window + num_rows)
         threads = _threads_for(int((num_rows * visible).sum()) * num_heads * self.head_dim,
                                self.num_threads)
         longest = int(num_rows.max(initial=0))
@@ -169,7 +174,7 @@ class HostBackend(Backend):
             tables.query_start, tables.seq_lens, num_kv_heads=self.num_kv_heads,
             page_size=self.page_size, rows_per_block=rows_per_block,
             target_items=4 * threads if threads > 1 else 1, min_part_tokens=_MIN_PART_TOKENS,
-            heads_per_item=heads_per_item, sliding_window=sliding_window)
+            heads_per_item=heads_per_item, band=band)
         rows = items[:, ITEM.ROW1] - items[:, ITEM.ROW0]
         keys = items[:, ITEM.KEY1] - items[:, ITEM.KEY0]
         work = int((rows * keys).sum()) * heads_per_item * group * self.head_dim

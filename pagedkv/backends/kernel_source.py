@@ -53,19 +53,36 @@ def read_source(name, directory=None):
     return expand(name)
 
 
-def header_table(file_name, macro):
-    """The ``X(NAME)`` list of ``#define <macro>(X) ...`` in a kernel header: a
-    namespace ``NAME -> index``, with ``COUNT`` the list's length."""
+def _header_list(file_name, macro):
+    """The entries of ``#define <macro>(X) ...`` in a kernel header: ``X(NAME)``
+    gives ``NAME``, ``OTHER(X)`` the entries of ``OTHER`` (``#define OTHER(X) ...``
+    in this header or in one it includes)."""
     text = source_dir().joinpath(file_name).read_text(encoding="utf-8")
     line = re.search(rf"^#define {macro}\(X\) (.*)$", text, re.MULTILINE)
     if line is None:
+        for included in _INCLUDE.findall(text):
+            try:
+                return _header_list(included, macro)
+            except RuntimeError:
+                pass
         raise RuntimeError(f"{file_name} has no '#define {macro}(X) ...' line")
-    names = re.findall(r"X\((\w+)\)", line.group(1))
+    names: list = []
+    for name, nested in re.findall(r"\bX\((\w+)\)|\b(\w+)\(X\)", line.group(1)):
+        names.extend([name] if name else _header_list(file_name, nested))
+    return names
+
+
+def header_table(file_name, macro):
+    """The ``X(NAME)`` list of ``#define <macro>(X) ...`` in a kernel header (nested
+    lists ``OTHER(X)`` expanded): a namespace ``NAME -> index``, with ``COUNT`` the
+    list's length."""
+    names = _header_list(file_name, macro)
     return SimpleNamespace(COUNT=len(names), **{n: i for i, n in enumerate(names)})
 
 
 def work_item_fields():
-    """The work-item columns of ``pkv_work_item.h``, e.g. ``W.KEY0``; ``W.COUNT`` columns."""
+    """The work-item columns of ``pkv_work_item.h`` (the band's from ``pkv_variant.h``),
+    e.g. ``W.KEY0``; ``W.COUNT`` columns."""
     return header_table("pkv_work_item.h", "PKV_WORK_ITEM")
 
 

@@ -69,7 +69,7 @@ class _Plan:
         queries per item (at least one slot; a buffer cannot be empty).
     """
 
-    def __init__(self, backend, tables, num_heads, sliding_window):
+    def __init__(self, backend, tables, num_heads, band):
         layout = backend.layout
         full_group = num_heads // backend.num_kv_heads
         self.group = max(g for g in range(1, min(full_group, layout.max_queries) + 1)
@@ -80,7 +80,7 @@ class _Plan:
             tables.query_start, tables.seq_lens, num_kv_heads=self.num_groups,
             page_size=backend.page_size, rows_per_block=max(1, layout.max_queries // self.group),
             target_items=_ITEMS_PER_COMPUTE_UNIT * backend.device.max_compute_units,
-            min_part_tokens=_MIN_PART_TOKENS, sliding_window=sliding_window,
+            min_part_tokens=_MIN_PART_TOKENS, band=band,
             max_part_keys=lambda rows: layout.max_item_keys(rows * self.group),
             max_parts=lambda rows: layout.max_parts(rows * self.group))
         counts = np.diff(item_offsets)
@@ -209,6 +209,9 @@ class OpenCLBackend(Backend):
         # buffers cannot be empty: what a kernel gets for sinks or scales it does not use
         self._placeholder = self._upload(np.zeros(1, np.float32))
         self._last_events = None
+        #: count_loops layouts: (attention, merge) loop iterations of each work-item
+        #: of the last attention call (int32 arrays; merge None when it ran none)
+        self.last_loop_counts = None
         self._pending = None   # a _PendingStore
         self._work = {}        # name -> reusable buffer (_work_buffer)
         try:
@@ -248,12 +251,22 @@ class OpenCLBackend(Backend):
         return dict(layout)
 
     def _build_kernels(self, overrides):
-        """Build (or fetch from the cache) both programs and keep their kernels."""
+        """Build (or fetch from the cache) both programs and keep their kernels.
+
+        The attention kernel's local memory is what the driver counts for the
+        built kernel: a layout that takes more than its budget is rebuilt
+        smaller (``KernelLayout.smaller_for_local_memory``)."""
+        first_chunk = None
         while True:
             self.layout = KernelLayout(self.device, self.head_dim, self.storage, **overrides)
+            first_chunk = self.layout.chunk if first_chunk is None else first_chunk
             attention = build_program(self.context, "attention.cl", self.layout.options())
             self._k_attention = attention["paged_attention"]
             self._k_merge = attention["merge_partials"]
+            used = self._k_attention.local_memory(self.device)
+            if used > self.layout.local_memory:
+                overrides = self.layout.smaller_for_local_memory(overrides, used, first_chunk)
+                continue
             # a register-hungry kernel may allow fewer work-items than the device does
             fits = self._k_attention.work_group_limit(self.device)
             merge_fits = self._k_merge.work_group_limit(self.device)
@@ -465,13 +478,13 @@ class OpenCLBackend(Backend):
             for queue in {x.queue for x in native if x.queue is not None and x.queue != self.queue}:
                 self._cl.enqueue_barrier(queue, wait_for=[done])
 
-    def _plan(self, tables, num_heads, sliding_window):
-        return _Plan(self, tables, num_heads, sliding_window)
+    def _plan(self, tables, num_heads, band):
+        return _Plan(self, tables, num_heads, band)
 
     def attention(self, layer, tables, q, spec, out=None):
         self._check_process()
         native = self.is_native(q)
-        plan = tables.plan(self._plan, q.shape[1], spec.sliding_window)
+        plan = tables.plan(self._plan, q.shape[1], spec.band)
         result = out
         if plan.num_items == 0:   # no new tokens: nothing to launch (and no empty buffers)
             self._flush()
@@ -513,6 +526,11 @@ class OpenCLBackend(Backend):
         k_scales, v_scales = self._scales(layer)
         store = self._fused_store_args(fused)
         num_groups = plan.num_items + store.pop("num_groups")
+        mwg = self.layout.merge_work_group_size
+        counting = self.layout.count_loops
+        loop_counts = self._zeros(4 * num_groups * wg) if counting else self._placeholder
+        merge_counts = self._zeros(4 * max(plan.num_segments, 1) * mwg) if counting \
+            else self._placeholder
         events = [self._k_attention(
             self.queue, (num_groups * wg,), (wg,), wait_for=q_wait,
             q=qd, k_pool=self._k[layer], v_pool=self._v[layer], k_scales=k_scales,
@@ -523,20 +541,27 @@ class OpenCLBackend(Backend):
             num_groups=plan.num_groups, sub_groups=plan.sub_groups, page_size=self.page_size,
             num_pages=self.layer_pages[layer], nnz=len(tables.page_indices), scale=spec.scale,
             soft_cap=spec.logits_soft_cap or 0.0, sinks=sinks, has_sinks=spec.sinks is not None,
-            out=out_d, part_acc=part_acc, part_max=part_max, part_sum=part_sum)]
+            out=out_d, part_acc=part_acc, part_max=part_max, part_sum=part_sum,
+            loop_counts=loop_counts)]
         if fused is not None:    # the store is launched: no longer owed
             self._pending = None
         if plan.num_segments:
-            mwg = self.layout.merge_work_group_size
             events.append(self._k_merge(
                 self.queue, (plan.num_segments * mwg,), (mwg,),
                 items=plan.items, seg_items=plan.seg_items, seg_parts=plan.seg_parts,
                 part_acc=part_acc, part_max=part_max, part_sum=part_sum, group=plan.group,
                 num_groups=plan.num_groups, sinks=sinks, has_sinks=spec.sinks is not None,
-                out=out_d))
+                out=out_d, loop_counts=merge_counts))
         if self.storage.rotation_block:   # the output, back from the rotated basis
             events.append(self._rotate(out_d, rows))
         self._last_events = events
+        if counting:
+            counts = [np.empty(num_groups * wg, np.int32),
+                      np.empty(plan.num_segments * mwg, np.int32) if plan.num_segments else None]
+            self._cl.enqueue_copy(self.queue, counts[0], loop_counts)
+            if counts[1] is not None:
+                self._cl.enqueue_copy(self.queue, counts[1], merge_counts)
+            self.last_loop_counts = tuple(counts)
         if native:
             out_d.add_event(events[-1])
             self._hand_back(q, event=events[0])

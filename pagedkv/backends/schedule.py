@@ -6,8 +6,10 @@ query heads of one KV head (or head group), against that sequence's keys at
 positions ``KEY0:KEY1``; row ``ROW0 + i`` sees the keys in
 ``[BAND_LO + i, BAND_HI + i)``.  The band is where the attention variant
 lives: causal attention is ``[-inf, p + 1)`` for the row at position ``p``,
-a sliding window of ``W`` keys ``[p - W + 1, p + 1)``.  The kernels apply the
-band and know no other mask.
+a sliding window of ``W`` keys ``[p - W + 1, p + 1)``; an attention chunk of
+``C`` (``BAND_CHUNK``) raises each row's lower end to ``C * floor(p / C)``
+(``opencl/pkv_variant.h``).  The kernels apply the band and know no other
+mask.
 
 Rows are cut into blocks of ``rows_per_block``.  A block's keys are the
 union of its rows' bands, so a window never reads pages older than its
@@ -26,7 +28,7 @@ ITEM = work_item_fields()
 
 
 def plan_attention(query_start, seq_lens, *, num_kv_heads, page_size, rows_per_block,
-                   target_items, min_part_tokens, heads_per_item=1, sliding_window=None,
+                   target_items, min_part_tokens, heads_per_item=1, band=None,
                    max_part_keys=None, max_parts=None):
     """Plan the work items of one step.
 
@@ -43,9 +45,11 @@ def plan_attention(query_start, seq_lens, *, num_kv_heads, page_size, rows_per_b
     heads_per_item : int, default 1
         KV heads per item (a divisor of ``num_kv_heads``): an item's
         ``KV_HEAD`` is then the first of ``heads_per_item`` heads.
-    sliding_window : int, optional
-        The row at position ``p`` sees positions ``max(0, p - W + 1) .. p``;
-        default: all of ``0 .. p`` (causal).
+    band : pagedkv.attention_spec.Band, optional
+        Which positions each row sees besides causality: with
+        ``band.sliding_window = W``, the row at position ``p`` sees positions
+        ``max(0, p - W + 1) .. p``, with ``band.chunk_size = C`` none before
+        ``C * floor(p / C)``; default (None): all of ``0 .. p``.
     max_part_keys : callable, optional
         ``max_part_keys(rows)``: for an array of block row counts, the most
         keys one item of such a block may cover; longer key ranges are split
@@ -74,11 +78,16 @@ def plan_attention(query_start, seq_lens, *, num_kv_heads, page_size, rows_per_b
     first_pos = seq_lens[seq] - (query_start[seq + 1] - row0)
     key_end = first_pos + rows                   # one past the last row's position
     band_hi = first_pos + 1
+    sliding_window = None if band is None else band.sliding_window
+    chunk = None if band is None else band.chunk_size
     if sliding_window is None:
         band_lo = -rows                          # below every key of every row: no bound
     else:
         band_lo = np.maximum(first_pos - sliding_window + 1, -rows)
     key_begin = np.maximum(band_lo, 0)
+    if chunk is not None:
+        # a block's first row sees the earliest keys: its chunk's start
+        key_begin = np.maximum(key_begin, first_pos // chunk * chunk)
 
     num_head_groups = num_kv_heads // heads_per_item
     num_blocks = len(seq) * num_head_groups
@@ -117,6 +126,7 @@ def plan_attention(query_start, seq_lens, *, num_kv_heads, page_size, rows_per_b
     items[:, ITEM.KEY1] = np.minimum(base[blk] + (part + 1) * part_len[blk], key_end[blk])
     items[:, ITEM.BAND_LO] = band_lo[blk]
     items[:, ITEM.BAND_HI] = band_hi[blk]
+    items[:, ITEM.BAND_CHUNK] = 0 if chunk is None else chunk
     counts = np.repeat(parts, num_head_groups)
     in_split = np.repeat(counts > 1, counts)
     items[:, ITEM.PART] = -1
