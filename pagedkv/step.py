@@ -103,10 +103,6 @@ class StepBatch(_ReadOnlyTables):
                                              window["slot_mapping"], p["page_indptr"],
                                              window["page_indices"])
 
-    def _tables_of(self, window):
-        """What the kernels of a layer with ``window`` (None: full attention) read."""
-        return self._tables if window is None else self._window_tables
-
     seq_ids = property(lambda self: self._view("seq_ids"))
     query_start = property(lambda self: self._view("query_start"))
     seq_lens = property(lambda self: self._view("seq_lens"))
