@@ -281,14 +281,61 @@ cdef void write_tables(vector[int32_t]& pages, int64_t old_len, int64_t new_len,
         memcpy(out.block_table + block_row, pages.data(), pages.size() * sizeof(int32_t))
 
 
-cdef void point_at(PkvPoolOut& out, cnp.ndarray slot_mapping, cnp.ndarray page_indices,
-                   cnp.ndarray block_table, cnp.ndarray copy_src, cnp.ndarray copy_dst):
-    """Where the commit writes one pool's tables: into these (C-contiguous) arrays."""
-    out.slot_mapping = <int64_t*>cnp.PyArray_DATA(slot_mapping)
-    out.page_indices = <int32_t*>cnp.PyArray_DATA(page_indices)
-    out.block_table = <int32_t*>cnp.PyArray_DATA(block_table)
-    out.copy_src = <int32_t*>cnp.PyArray_DATA(copy_src)
-    out.copy_dst = <int32_t*>cnp.PyArray_DATA(copy_dst)
+cdef class PoolTables:
+    """One pool's tables of one ``append`` step (host numpy arrays).
+
+    Attributes
+    ----------
+    slot_mapping : ndarray, shape [total_new], int64
+        ``page * page_size + offset`` of each new token in this pool.
+    page_indices : ndarray, shape [nnz], int32
+        CSR page lists (rows by the step's ``page_indptr``); ``-1`` for window
+        pages given back.
+    block_table : ndarray, shape [B, max_pages], int32
+        Padded page table, ``-1`` past each sequence's pages (and for window
+        pages given back).
+    copy_src, copy_dst : ndarray, shape [num_copies], int32
+        Pages to copy (source to destination) in every layer of the pool
+        before anything of the step is stored.
+    """
+    cdef readonly cnp.ndarray slot_mapping, page_indices, block_table, copy_src, copy_dst
+
+
+cdef class AppendTables:
+    """The tables of one ``append`` step: those the pools share, and each pool's.
+
+    Attributes
+    ----------
+    query_start : ndarray, shape [B+1], int32
+    seq_lens : ndarray, shape [B], int32
+    page_indptr : ndarray, shape [B+1], int32
+    last_page_len : ndarray, shape [B], int32
+        A sequence's page list has as many entries in every pool, so the CSR
+        row pointers and last-page lengths serve them all.
+    full : PoolTables
+        The full-attention pool's tables.
+    window : PoolTables or None
+        The window pool's (None without one).
+    """
+    cdef readonly cnp.ndarray query_start, seq_lens, page_indptr, last_page_len
+    cdef readonly PoolTables full, window
+
+
+cdef PoolTables new_pool_tables(PkvPoolOut& out, Py_ssize_t B, int64_t total_new, int64_t nnz,
+                                int64_t max_pages, int64_t num_copies):
+    """One pool's tables of a step, allocated; ``out``: where the commit writes them."""
+    cdef PoolTables t = PoolTables.__new__(PoolTables)
+    t.slot_mapping = np.empty(total_new, dtype=np.int64)
+    t.page_indices = np.empty(nnz, dtype=np.int32)
+    t.block_table = np.full((B, max_pages), -1, dtype=np.int32)
+    t.copy_src = np.empty(num_copies, dtype=np.int32)
+    t.copy_dst = np.empty(num_copies, dtype=np.int32)
+    out.slot_mapping = <int64_t*>cnp.PyArray_DATA(t.slot_mapping)
+    out.page_indices = <int32_t*>cnp.PyArray_DATA(t.page_indices)
+    out.block_table = <int32_t*>cnp.PyArray_DATA(t.block_table)
+    out.copy_src = <int32_t*>cnp.PyArray_DATA(t.copy_src)
+    out.copy_dst = <int32_t*>cnp.PyArray_DATA(t.copy_dst)
+    return t
 
 
 cdef class PageTables:
@@ -697,16 +744,11 @@ cdef class PageTables:
 
         Returns
         -------
-        dict of ndarray
-            ``query_start`` [B+1] int32, ``seq_lens`` [B] int32,
-            ``slot_mapping`` [total_new] int64, ``page_indptr`` [B+1] int32,
-            ``page_indices`` [nnz] int32, ``last_page_len`` [B] int32,
-            ``block_table`` [B, max_pages] int32 (-1 padded),
-            ``copy_src`` / ``copy_dst`` [num_copies] int32; with a window pool
-            also ``window_slot_mapping``, ``window_page_indices`` (-1 for
-            pages given back), ``window_block_table``, ``window_copy_src`` /
-            ``window_copy_dst`` (the window lists have the full lists'
-            lengths, so ``page_indptr`` and ``last_page_len`` serve both).
+        AppendTables
+            ``query_start``, ``seq_lens``, ``page_indptr``, ``last_page_len``
+            and, per pool (``full``, and ``window`` with a window pool), its
+            ``slot_mapping``, ``page_indices``, ``block_table`` and the
+            copies ``copy_src`` / ``copy_dst`` (see :class:`PoolTables`).
         """
         self.undo_armed = False
         cdef int64_t[::1] ids = seq_ids
@@ -816,38 +858,24 @@ cdef class PageTables:
                 f"free in the window pool (the sliding-window layers; num_window_pages)")
         return 0
 
-    cdef dict new_tables(self, PkvStepPlan& plan, PkvStepOut& out):
+    cdef AppendTables new_tables(self, PkvStepPlan& plan, PkvStepOut& out):
         """The step's tables, allocated (``out``: where the commit writes them)."""
         cdef Py_ssize_t B = plan.batch.size()
-        tables = {
-            "query_start": np.empty(B + 1, dtype=np.int32),
-            "seq_lens": np.empty(B, dtype=np.int32),
-            "slot_mapping": np.empty(plan.total_new, dtype=np.int64),
-            "page_indptr": np.empty(B + 1, dtype=np.int32),
-            "page_indices": np.empty(plan.nnz, dtype=np.int32),
-            "last_page_len": np.empty(B, dtype=np.int32),
-            "block_table": np.full((B, plan.max_pages), -1, dtype=np.int32),
-            "copy_src": np.empty(plan.num_copies, dtype=np.int32),
-            "copy_dst": np.empty(plan.num_copies, dtype=np.int32),
-        }
-        out.query_start = <int32_t*>cnp.PyArray_DATA(<cnp.ndarray>tables["query_start"])
-        out.seq_lens = <int32_t*>cnp.PyArray_DATA(<cnp.ndarray>tables["seq_lens"])
-        out.page_indptr = <int32_t*>cnp.PyArray_DATA(<cnp.ndarray>tables["page_indptr"])
-        out.last_page_len = <int32_t*>cnp.PyArray_DATA(<cnp.ndarray>tables["last_page_len"])
+        cdef AppendTables tables = AppendTables.__new__(AppendTables)
+        tables.query_start = np.empty(B + 1, dtype=np.int32)
+        tables.seq_lens = np.empty(B, dtype=np.int32)
+        tables.page_indptr = np.empty(B + 1, dtype=np.int32)
+        tables.last_page_len = np.empty(B, dtype=np.int32)
+        out.query_start = <int32_t*>cnp.PyArray_DATA(tables.query_start)
+        out.seq_lens = <int32_t*>cnp.PyArray_DATA(tables.seq_lens)
+        out.page_indptr = <int32_t*>cnp.PyArray_DATA(tables.page_indptr)
+        out.last_page_len = <int32_t*>cnp.PyArray_DATA(tables.last_page_len)
         out.max_pages = plan.max_pages
-        point_at(out.full, tables["slot_mapping"], tables["page_indices"],
-                 tables["block_table"], tables["copy_src"], tables["copy_dst"])
-        if self.windowed:
-            tables.update({
-                "window_slot_mapping": np.empty(plan.total_new, dtype=np.int64),
-                "window_page_indices": np.empty(plan.nnz, dtype=np.int32),
-                "window_block_table": np.full((B, plan.max_pages), -1, dtype=np.int32),
-                "window_copy_src": np.empty(plan.num_window_copies, dtype=np.int32),
-                "window_copy_dst": np.empty(plan.num_window_copies, dtype=np.int32),
-            })
-            point_at(out.window, tables["window_slot_mapping"], tables["window_page_indices"],
-                     tables["window_block_table"], tables["window_copy_src"],
-                     tables["window_copy_dst"])
+        tables.full = new_pool_tables(out.full, B, plan.total_new, plan.nnz, plan.max_pages,
+                                      plan.num_copies)
+        tables.window = new_pool_tables(out.window, B, plan.total_new, plan.nnz,
+                                        plan.max_pages, plan.num_window_copies) \
+            if self.windowed else None
         return tables
 
     # (the commit: cannot fail)

@@ -136,9 +136,13 @@ class PoolManager:
 
     def copies(self, tables: Any) -> Tuple[np.ndarray, np.ndarray]:
         """The (source, destination) pages, int32 [num_copies] each, that an
-        ``append`` (whose result is ``tables``) copies in this pool."""
-        prefix = "window_" if self.in_window_lists else ""
-        return tables[prefix + "copy_src"], tables[prefix + "copy_dst"]
+        ``append`` (whose result is the AppendTables ``tables``) copies in this pool."""
+        pool_tables = self.pool_tables(tables)
+        return pool_tables.copy_src, pool_tables.copy_dst
+
+    def pool_tables(self, tables: Any) -> Any:
+        """This pool's ``PoolTables`` in an ``append``'s AppendTables ``tables``."""
+        return tables.window if self.in_window_lists else tables.full
 
     def import_start(self, start: int) -> int:
         """The first position this pool holds of an imported sequence whose window
