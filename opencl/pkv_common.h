@@ -1,7 +1,8 @@
 /* Shared by every pagedkv kernel: storage type, vector loads, pool addressing.
  *
  * Build options (set by pagedkv/backends/opencl.py):
- *   PKV_STORAGE   the pools' format, a number of pkv_storage.h
+ *   PKV_STORAGE   the pools' format, a number of pkv_storage.h (which defines
+ *                 its element type, loads and stores)
  *   PKV_ROTATION_BLOCK, PKV_ROTATION_SCALE   int8 only: the Hadamard block rows
  *                 are rotated by, and 1 / sqrt(block) as an exact hex float
  *   PKV_HEAD_DIM  D, floats per K/V/Q row
@@ -20,7 +21,6 @@
 #ifndef PKV_COMMON_H
 #define PKV_COMMON_H
 
-#include "pkv_storage.h"
 #include "pkv_tanh.h"
 
 #if !defined(PKV_STORAGE) || !defined(PKV_HEAD_DIM) || !defined(PKV_VW)
@@ -113,31 +113,9 @@ inline pkv_vec pkv_half_to_float(pkv_hvec bits) {
     return PKV_AS_VEC(PKV_AS_UVEC(magnitude) | ((h & 0x8000u) << 16));
 }
 
-/* -- storage ------------------------------------------------------------------------
- * PKV_VLOAD_S: vector i of a stored row as floats (int8: unscaled);
- * PKV_VSTORE_S: a float vector into a float format's row (int8 rows are
- * written whole by pkv_quantize). */
-#if PKV_STORAGE == PKV_STORAGE_FLOAT16
-typedef ushort pkv_storage;   /* IEEE half bits */
-typedef ushort pkv_bits;      /* for raw copies */
-#define PKV_VLOAD_S(i, p) pkv_half_to_float(((const __global pkv_hvec*)(p))[i])
-#define PKV_VSTORE_S(x, i, p) PKV_CAT(PKV_VSTORE_HALF, _rte)((x), (i), (__global half*)(p))
-#elif PKV_STORAGE == PKV_STORAGE_INT8
-typedef char pkv_storage;
-typedef char pkv_bits;
-#define PKV_SCALED 1
-#define PKV_VLOAD_S(i, p) PKV_CONVERT_VEC(((const __global pkv_cvec*)(p))[i])
-#elif PKV_STORAGE == PKV_STORAGE_FLOAT32
-typedef float pkv_storage;
-typedef uint pkv_bits;
-#define PKV_VLOAD_S(i, p) (((const __global pkv_vec*)(p))[i])
-#define PKV_VSTORE_S(x, i, p) (((__global pkv_vec*)(p))[i] = (x))
-#else
-#error "PKV_STORAGE: not a format of pkv_storage.h"
-#endif
-#ifndef PKV_SCALED
-#define PKV_SCALED 0
-#endif
+/* -- storage: the element type and loads/stores of the format, pkv_storage.h -- */
+#include "pkv_storage.h"
+
 /* float data (q, k, v inputs, outputs): aligned vector access */
 #define PKV_VLOAD_F(i, p) (((const __global pkv_vec*)(p))[i])
 #define PKV_VSTORE_F(x, i, p) (((__global pkv_vec*)(p))[i] = (x))
@@ -304,15 +282,7 @@ inline void pkv_scatter_vector(const ulong gid, __global const float* k, __globa
 
 /* A float vector rounded as the pools store it (what a store then a load gives). */
 inline pkv_vec pkv_round_to_storage(const pkv_vec x) {
-#if PKV_STORAGE == PKV_STORAGE_FLOAT16
-    /* stored and loaded through the same half*: PoCL 3.0 reads the bits back
-       as zeros when they are loaded as a ushort vector instead */
-    ushort bits[PKV_VW];
-    PKV_CAT(PKV_VSTORE_HALF, _rte)(x, 0, (__private half*)bits);
-    return PKV_VLOAD_HALF(0, (__private const half*)bits);
-#else
-    return x;
-#endif
+    return PKV_ROUND_S(x);
 }
 #endif
 

@@ -2,7 +2,8 @@
 
 Pools are ``[num_pages, num_kv_heads, page_size, head_dim]`` arrays in one
 of the storage formats of ``pagedkv/storage.py``: float32, float16 passed as
-its uint16 bits (``pkv_half.h`` converts), or int8 with a float32 scale per
+its uint16 bits (``pkv_half.h`` converts), bfloat16 passed as its bits in
+int16 (``pkv_simd.h`` converts), or int8 with a float32 scale per
 row in ``[num_pages, num_kv_heads, page_size]`` scale pools and rows rotated
 by blocks of ``rotation_block`` (``pkv_quant.h``; 0: none).  Float formats
 take 1x1x1 placeholder scale pools.  All arithmetic is float32.  Callers
@@ -13,7 +14,7 @@ import numpy as np
 cimport numpy as cnp
 from cython.parallel cimport prange, threadid
 from libc.math cimport INFINITY
-from libc.stdint cimport int8_t, int32_t, int64_t, uint16_t
+from libc.stdint cimport int8_t, int16_t, int32_t, int64_t, uint16_t
 
 cnp.import_array()
 
@@ -43,12 +44,18 @@ cdef extern from "pkv_simd.h" nogil:
                         float* scores, int ld, pkv_prefetch* pf, int queries)
     void pkv_scores_i8(const float* q, int nq, const int8_t* k, int nt, int n,
                        float* scores, int ld, pkv_prefetch* pf, int queries)
+    void pkv_scores_bf16(const float* q, int nq, const int16_t* k, int nt, int n,
+                         float* scores, int ld, pkv_prefetch* pf, int queries)
     void pkv_accumulate_f32(float* acc, const float* alpha, const float* p, int ld,
                             const float* x, int nt, int n, pkv_prefetch* pf, int queries)
     void pkv_accumulate_f16(float* acc, const float* alpha, const float* p, int ld,
                             const uint16_t* x, int nt, int n, pkv_prefetch* pf, int queries)
     void pkv_accumulate_i8(float* acc, const float* alpha, const float* p, int ld,
                            const int8_t* x, int nt, int n, pkv_prefetch* pf, int queries)
+    void pkv_accumulate_bf16(float* acc, const float* alpha, const float* p, int ld,
+                             const int16_t* x, int nt, int n, pkv_prefetch* pf, int queries)
+    float pkv_bf16_to_float(uint16_t bits)
+    uint16_t pkv_float_to_bf16(float x)
     void pkv_softmax_page(float* s, int ld, int nq, int nq_padded, int nt, pkv_band band,
                           int64_t first_key, int group, float soft_cap, float* run_max,
                           float* run_sum, float* alpha)
@@ -75,7 +82,7 @@ cdef extern from "pkv_block.h" nogil:
 
 cdef extern from "pkv_storage.h" nogil:
     enum:
-        PKV_STORAGE_FLOAT32, PKV_STORAGE_FLOAT16, PKV_STORAGE_INT8
+        PKV_STORAGE_FLOAT32, PKV_STORAGE_FLOAT16, PKV_STORAGE_INT8, PKV_STORAGE_BFLOAT16
 
 cdef extern from "pkv_quant.h" nogil:
     void pkv_rotate(float* x, int n, int block, float scale)
@@ -87,10 +94,14 @@ cdef extern from "pkv_work_item.h" nogil:
         PKV_W_SEQ, PKV_W_KV_HEAD, PKV_W_ROW0, PKV_W_ROW1, PKV_W_KEY0, PKV_W_KEY1,
         PKV_W_BAND_LO, PKV_W_BAND_HI, PKV_W_PART, PKV_W_FIELDS
 
+# The pools' element types, one per format: float16 bits are uint16_t and
+# bfloat16 bits int16_t, so that each has its own specialisation (the bits are
+# the same either way; only the type tells the formats apart).
 ctypedef fused storage_t:
     float
     uint16_t
     int8_t
+    int16_t
 
 
 cdef inline float load(storage_t x) noexcept nogil:
@@ -99,6 +110,8 @@ cdef inline float load(storage_t x) noexcept nogil:
         return x
     elif storage_t is uint16_t:
         return pkv_half_to_float(x)
+    elif storage_t is int16_t:
+        return pkv_bf16_to_float(<uint16_t>x)
     else:
         return x
 
@@ -110,6 +123,8 @@ cdef inline void page_scores(const float* q, int nq, const storage_t* k, int nt,
         pkv_scores_f32(q, nq, k, nt, n, out, ld, pf, queries)
     elif storage_t is uint16_t:
         pkv_scores_f16(q, nq, k, nt, n, out, ld, pf, queries)
+    elif storage_t is int16_t:
+        pkv_scores_bf16(q, nq, k, nt, n, out, ld, pf, queries)
     else:
         pkv_scores_i8(q, nq, k, nt, n, out, ld, pf, queries)
 
@@ -122,6 +137,8 @@ cdef inline void page_accumulate(float* acc, const float* alpha, const float* p,
         pkv_accumulate_f32(acc, alpha, p, ld, x, nt, n, pf, queries)
     elif storage_t is uint16_t:
         pkv_accumulate_f16(acc, alpha, p, ld, x, nt, n, pf, queries)
+    elif storage_t is int16_t:
+        pkv_accumulate_bf16(acc, alpha, p, ld, x, nt, n, pf, queries)
     else:
         pkv_accumulate_i8(acc, alpha, p, ld, x, nt, n, pf, queries)
 
@@ -171,6 +188,8 @@ cdef inline storage_t convert(float x, storage_t* dummy) noexcept nogil:
         return x
     elif storage_t is uint16_t:
         return pkv_float_to_half(x)
+    elif storage_t is int16_t:
+        return <int16_t>pkv_float_to_bf16(x)
     else:
         return 0
 
@@ -403,6 +422,8 @@ cdef inline int storage_kind(storage_t* dummy) noexcept nogil:
         return PKV_STORAGE_FLOAT32
     elif storage_t is uint16_t:
         return PKV_STORAGE_FLOAT16
+    elif storage_t is int16_t:
+        return PKV_STORAGE_BFLOAT16
     else:
         return PKV_STORAGE_INT8
 
@@ -568,7 +589,7 @@ def paged_attention(const float[:, :, ::1] q,
     Parameters
     ----------
     q : float32 [T, num_heads, D]
-    k_pool, v_pool : [num_pages, num_kv_heads, page_size, D], float32, float16 bits or int8
+    k_pool, v_pool : [num_pages, num_kv_heads, page_size, D], float32, float16 bits, bfloat16 bits or int8
     k_scales, v_scales : float32 [num_pages, num_kv_heads, page_size] (int8), else placeholders
     page_indptr : int32 [B + 1]
     page_indices : int32 [nnz]

@@ -59,13 +59,14 @@ class PagedKVCache:
         Pages in the pool, shared by every sequence.
     page_size : int, default 16
         Tokens per page.
-    dtype : {"float32", "float16", "int8"}
-        Storage dtype; arithmetic is float32 whatever it is.  float16 rounds
-        on store.  int8 keeps each row (one token, one KV head) as int8
-        values and one float32 scale (``amax / 127``), in a basis rotated by
-        an orthonormal Hadamard transform that ``attention`` and ``gather``
-        undo (see :mod:`pagedkv.storage`): 0.26x float32's memory at
-        head_dim 128, about 1% of a row's L2 norm lost to rounding.
+    dtype : str, default "float32"
+        Storage dtype, one of :data:`pagedkv.storage.NAMES` (each described
+        in :mod:`pagedkv.storage`); arithmetic is float32 whatever it is.
+        float16 rounds on store.  int8 keeps each row (one token, one KV
+        head) as int8 values and one float32 scale (``amax / 127``), in a
+        basis rotated by an orthonormal Hadamard transform that ``attention``
+        and ``gather`` undo: 0.26x float32's memory at head_dim 128, about 1%
+        of a row's L2 norm lost to rounding.
     max_seq_len : int, optional
         Cap on any sequence's length; ``append`` past it is a ``ValueError``.
     backend : {"auto", "host", "opencl"}
@@ -246,6 +247,8 @@ class PagedKVCache:
     @staticmethod
     def _check_dtype(dtype):
         """The storage format's name of ``dtype`` (a name or a numpy dtype)."""
+        if isinstance(dtype, str) and dtype in _STORAGE_NAMES:
+            return dtype    # by name first: not every format is a numpy dtype
         try:
             name = np.dtype(dtype).name
         except TypeError:
@@ -824,4 +827,4 @@ class PagedKVCache:
     def __repr__(self) -> str:
         return (f"PagedKVCache(num_layers={self.num_layers}, num_kv_heads={self.num_kv_heads}, "
                 f"head_dim={self.head_dim}, num_pages={self._allocator.num_pages}, "
-                f"page_size={self.page_size}, dtype={self.dtype.name!r}, backend={self.backend!r})")
+                f"page_size={self.page_size}, dtype={self.storage.name!r}, backend={self.backend!r})")

@@ -221,8 +221,11 @@ def _json(path, metadata, key):
 
 
 # The safetensors dtypes a pagedkv file holds.
-_DTYPES = {"F32": np.float32, "F16": np.float16, "I8": np.int8, "I32": np.int32,
-           "I64": np.int64, "U8": np.uint8}
+# Every tag numpy has a dtype for, so that a storage format's element (whatever
+# integer or float width it is) loads; _take then checks each tensor's dtype.
+_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "I8": np.int8,
+           "I16": np.int16, "I32": np.int32, "I64": np.int64, "U8": np.uint8,
+           "U16": np.uint16, "U32": np.uint32, "U64": np.uint64, "BOOL": np.bool_}
 
 
 def _read(path):

@@ -74,11 +74,32 @@ static inline void pkv_prefetch_rest(pkv_prefetch *pf) {
     while (pf->next < pf->end) pkv_prefetch_step(pf);
 }
 
-/* -- loading float32 or float16 rows ------------------------------------------ */
+/* -- loading float32, float16 or bfloat16 rows ------------------------------- */
+
+/* bfloat16 bits (the high half of a float32) -> float32: exact. */
+static inline float pkv_bf16_to_float(uint16_t bits) {
+    const uint32_t u = (uint32_t)bits << 16;
+    float x;
+    memcpy(&x, &u, sizeof x);
+    return x;
+}
+
+/* float32 -> bfloat16 bits, round to nearest even: adding 0x7FFF plus the
+ * lowest kept bit carries into the kept half exactly when the dropped half
+ * is above a tie, or a tie next to an odd kept half (overflow gives inf).
+ * NaN is kept apart (quieted, sign kept): rounding a NaN with a small
+ * payload would carry it into inf. */
+static inline uint16_t pkv_float_to_bf16(float x) {
+    uint32_t u;
+    memcpy(&u, &x, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x0040u);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
 
 /* Element i of a row of storage `kind` (pkv_storage.h; int8: unscaled). */
 PKV_INLINE float pkv_load1(const void *x, long i, int kind) {
     if (kind == PKV_STORAGE_INT8) return (float)((const int8_t *)x)[i];
+    if (kind == PKV_STORAGE_BFLOAT16) return pkv_bf16_to_float(((const uint16_t *)x)[i]);
     return kind == PKV_STORAGE_FLOAT16 ? pkv_half_to_float(((const uint16_t *)x)[i])
                                        : ((const float *)x)[i];
 }
@@ -94,6 +115,8 @@ PKV_INLINE float pkv_load1(const void *x, long i, int kind) {
 typedef float pkv_vec __attribute__((vector_size(PKV_LANES * 4), aligned(4)));
 
 typedef int8_t pkv_bvec __attribute__((vector_size(PKV_LANES), aligned(1)));
+typedef uint16_t pkv_wvec __attribute__((vector_size(PKV_LANES * 2), aligned(2)));
+typedef uint32_t pkv_uvec __attribute__((vector_size(PKV_LANES * 4), aligned(4)));
 
 PKV_INLINE pkv_vec pkv_load(const void *x, long i, int kind) {
     if (kind == PKV_STORAGE_FLOAT32) return *(const pkv_vec *)((const float *)x + i);
@@ -109,6 +132,16 @@ PKV_INLINE pkv_vec pkv_load(const void *x, long i, int kind) {
 #endif
     }
     const uint16_t *h = (const uint16_t *)x + i;
+    if (kind == PKV_STORAGE_BFLOAT16) {
+        /* widen each 16-bit word to 32 and shift it into the high half */
+#if PKV_LANES == 16
+        return (pkv_vec)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)h)), 16);
+#elif defined(__AVX2__)
+        return (pkv_vec)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)h)), 16);
+#else
+        return (pkv_vec)(__builtin_convertvector(*(const pkv_wvec *)h, pkv_uvec) << 16);
+#endif
+    }
 #if PKV_LANES == 16
     return (pkv_vec)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)h));
 #elif defined(__F16C__)
@@ -373,6 +406,9 @@ PKV_INLINE void pkv_accumulate_any(float *restrict acc, const float *restrict al
 PKV_DEFINE_ENTRY_POINTS(f32, float, PKV_STORAGE_FLOAT32)
 PKV_DEFINE_ENTRY_POINTS(f16, uint16_t, PKV_STORAGE_FLOAT16)
 PKV_DEFINE_ENTRY_POINTS(i8, int8_t, PKV_STORAGE_INT8)
+/* bfloat16 bits come from Cython as int16_t, a C type of their own beside
+ * float16's uint16_t (see pagedkv/_kernels.pyx) */
+PKV_DEFINE_ENTRY_POINTS(bf16, int16_t, PKV_STORAGE_BFLOAT16)
 
 /* e**x for x <= 0.
  *

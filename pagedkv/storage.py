@@ -17,6 +17,10 @@ Scales are float32, not float16, so that no row's scale overflows (amax above
 a float32 row at head_dim 128.  ``attention`` rotates the queries the same
 way (so q.k is unchanged) and rotates the output back; ``gather`` returns
 rows rotated back.
+
+bfloat16: the high 16 bits of the float32, rounded to nearest even (a tie to
+the even neighbour, overflow to inf); NaN stays NaN (quieted, sign kept).
+float32's range with 8 bits of mantissa, at float16's two bytes a value.
 """
 from dataclasses import dataclass
 
@@ -36,11 +40,14 @@ class StorageFormat:
     Attributes
     ----------
     name : str
-        ``"float32"``, ``"float16"`` or ``"int8"``.
+        ``"float32"``, ``"float16"``, ``"bfloat16"`` or ``"int8"``.
     element : numpy.dtype
-        What a pool holds per value.
+        What a pool holds per value (bfloat16, which numpy lacks, as its
+        uint16 bits: the high half of the float32's).
     kernel_element : numpy.dtype
-        What the host kernels are handed (float16 as its uint16 bits).
+        What the host kernels are handed (float16 as its uint16 bits,
+        bfloat16 as its bits in int16: a type of its own, which selects the
+        kernels' bfloat16 specialisation).
     kind : int
         The kernels' index of the format (``opencl/pkv_storage.h``).
     scaled : bool
@@ -102,6 +109,9 @@ def storage_format(name, head_dim, rotate=True):
     if name == "float16":
         return StorageFormat("float16", np.dtype(np.float16), np.dtype(np.uint16),
                              KINDS.FLOAT16)
+    if name == "bfloat16":
+        return StorageFormat("bfloat16", np.dtype(np.uint16), np.dtype(np.int16),
+                             KINDS.BFLOAT16)
     if name == "int8":
         block = rotation_block(head_dim) if rotate else 0
         return StorageFormat("int8", np.dtype(np.int8), np.dtype(np.int8), KINDS.INT8,
@@ -110,4 +120,4 @@ def storage_format(name, head_dim, rotate=True):
 
 
 #: The accepted storage dtype names.
-NAMES = ("float32", "float16", "int8")
+NAMES = ("float32", "float16", "bfloat16", "int8")

@@ -148,7 +148,7 @@ def test_stale_batch(setup):
     (dict(head_dim=2.0), "head_dim"),
     (dict(num_pages=0), "num_pages"),
     (dict(page_size=0), "page_size"),
-    (dict(dtype="bfloat16"), "dtype"),
+    (dict(dtype="float8"), "dtype"),
     (dict(dtype="int4"), "dtype"),
     (dict(dtype="uint8"), "dtype"),
     (dict(max_seq_len=0), "max_seq_len"),

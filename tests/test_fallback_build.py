@@ -80,7 +80,8 @@ def run_workload(dtype, head_dim):
     return outputs, [cache.gather(0, s) for s in seqs]
 
 
-@pytest.mark.parametrize("dtype,head_dim", [("float32", 128), ("float32", 40), ("float16", 64)])
+@pytest.mark.parametrize("dtype,head_dim", [("float32", 128), ("float32", 40), ("float16", 64),
+                                            ("bfloat16", 64)])
 def test_fallback_kernels_agree_with_the_vector_build(fallback_kernels, monkeypatch, dtype,
                                                       head_dim):
     expected_out, expected_kv = run_workload(dtype, head_dim)
@@ -89,5 +90,5 @@ def test_fallback_kernels_agree_with_the_vector_build(fallback_kernels, monkeypa
     for got, want in zip(out, expected_out):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     for (k, v), (k_want, v_want) in zip(kv, expected_kv):
-        np.testing.assert_array_equal(k, k_want)   # the same float16 rounding
+        np.testing.assert_array_equal(k, k_want)   # the same float16 / bfloat16 rounding
         np.testing.assert_array_equal(v, v_want)

@@ -215,7 +215,7 @@ def test_the_rotation_helps_rows_with_an_outlier_channel(backend):
 
 
 def test_unknown_dtype_names_the_accepted_ones(backend):
-    with pytest.raises(ValueError, match="'float32', 'float16', 'int8'"):
+    with pytest.raises(ValueError, match="'float32', 'float16', 'bfloat16', 'int8'"):
         pagedkv.PagedKVCache(1, 1, 8, num_pages=4, dtype="int4", backend=backend)
     with pytest.raises(TypeError, match="kv_rotation"):
         pagedkv.PagedKVCache(1, 1, 8, num_pages=4, dtype="int8", kv_rotation="yes",
