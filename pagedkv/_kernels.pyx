@@ -327,7 +327,7 @@ cdef void attend_item(const float[:, :, ::1] q,
     # Prefetch distance, in slices (one head of one page of one pool): a
     # fixed number of bytes, not a page of every head, which at page 128
     # (1 MiB of K and V for 8 heads) was evicted before it was read
-    # (docs/performance-vllm.md).
+    # (docs/performance.md, "Against vLLM CPU").
     cdef int ahead = <int>((PREFETCH_AHEAD_BYTES + slice_bytes - 1) // slice_bytes)
     cdef int ahead_page, ahead_head
     cdef pkv_prefetch next_keys, next_values

@@ -54,6 +54,7 @@ cdef extern from *:
     """
     #include <vector>
     #include <cstdint>
+    #include <unordered_map>
     struct PkvSequence {
         std::vector<int32_t> pages;
         // window pool: as many entries as `pages`; the first `window_released`
@@ -111,6 +112,37 @@ cdef extern from *:
         seq.tokens.insert(seq.tokens.end(), f.tokens.begin(), f.tokens.end());
         seq.hashes.insert(seq.hashes.end(), f.hashes.begin(), f.hashes.end());
     }
+    // what an append's plan found and counted, before anything changes
+    struct PkvStepPlan {
+        std::vector<PkvSequence*> batch;
+        std::vector<char> copy_full, copy_window;   // per sequence: copy its last page
+        std::vector<std::vector<uint64_t>> hashes;  // per sequence: of the pages it fills
+        // copies per shared page: the last writer of a page shared only within
+        // the step keeps it instead of copying
+        std::unordered_map<int32_t, int32_t> copies_of, window_copies_of;
+        // references to window pages the step gives back, per page
+        std::unordered_map<int32_t, int32_t> window_releases;
+        int64_t needed = 0, window_new = 0, window_freed = 0, total_new = 0;
+        int64_t nnz = 0, num_copies = 0, num_window_copies = 0, max_pages = 0;
+    };
+    // where the commit writes one pool's tables (into the arrays append returns)
+    struct PkvPoolOut {
+        int64_t* slot_mapping = nullptr;
+        int32_t* page_indices = nullptr;
+        int32_t* block_table = nullptr;     // [B, max_pages]
+        int32_t* copy_src = nullptr;
+        int32_t* copy_dst = nullptr;
+        int64_t num_copied = 0;
+    };
+    // where the commit writes the step's tables: those both pools share, and each pool's
+    struct PkvStepOut {
+        int32_t* query_start = nullptr;
+        int32_t* seq_lens = nullptr;
+        int32_t* page_indptr = nullptr;
+        int32_t* last_page_len = nullptr;
+        int64_t max_pages = 0;
+        PkvPoolOut full, window;
+    };
     """
     cdef cppclass PkvSequence:
         PkvSequence() except +
@@ -141,6 +173,31 @@ cdef extern from *:
         int32_t page
     cdef cppclass PkvForgotten:
         int64_t seq_id
+    cdef cppclass PkvStepPlan:
+        vector[PkvSequence*] batch
+        vector[char] copy_full
+        vector[char] copy_window
+        vector[vector[uint64_t]] hashes
+        unordered_map[int32_t, int32_t] copies_of
+        unordered_map[int32_t, int32_t] window_copies_of
+        unordered_map[int32_t, int32_t] window_releases
+        int64_t needed, window_new, window_freed, total_new
+        int64_t nnz, num_copies, num_window_copies, max_pages
+    cdef cppclass PkvPoolOut:
+        int64_t* slot_mapping
+        int32_t* page_indices
+        int32_t* block_table
+        int32_t* copy_src
+        int32_t* copy_dst
+        int64_t num_copied
+    cdef cppclass PkvStepOut:
+        int32_t* query_start
+        int32_t* seq_lens
+        int32_t* page_indptr
+        int32_t* last_page_len
+        int64_t max_pages
+        PkvPoolOut full
+        PkvPoolOut window
     void pkv_forget(vector[PkvForgotten]& out, int64_t seq_id, PkvSequence& seq,
                     size_t num_tokens, size_t num_hashes) nogil
     void pkv_remember(PkvForgotten& f, PkvSequence& seq) nogil
@@ -191,14 +248,15 @@ cdef bint must_copy(PageAllocator allocator, vector[int32_t]& pages, int64_t len
 
 
 cdef int32_t take_copy(PageAllocator allocator, vector[int32_t]& pages,
-                       int32_t[::1] copy_src, int32_t[::1] copy_dst, int64_t* c) noexcept nogil:
-    """Give the sequence a new last page to copy its shared one into; returns the
-    shared page, whose reference the caller drops once the step's pages are
-    all taken (so that no page of the step is the copy of a page it copies)."""
+                       PkvPoolOut& out) noexcept nogil:
+    """Give the sequence a new last page to copy its shared one into (recorded in
+    the pool's copy lists); returns the shared page, whose reference the caller
+    drops once the step's pages are all taken (so that no page of the step is
+    the copy of a page it copies)."""
     cdef int32_t page = allocator.take_page(), source = pages.back()
-    copy_src[c[0]] = source
-    copy_dst[c[0]] = page
-    c[0] += 1
+    out.copy_src[out.num_copied] = source
+    out.copy_dst[out.num_copied] = page
+    out.num_copied += 1
     pages[pages.size() - 1] = page
     return source
 
@@ -210,17 +268,74 @@ cdef void grow(PageAllocator allocator, vector[int32_t]& pages, int64_t num_page
 
 
 cdef void write_tables(vector[int32_t]& pages, int64_t old_len, int64_t new_len, int64_t ps,
-                       int64_t row, int64_t[::1] slot_mapping, int32_t* indices,
-                       int32_t* block_row) noexcept nogil:
-    """The slots of positions old_len:new_len (from ``row`` on) and the CSR and
-    block-table rows of one sequence in one pool."""
+                       int64_t row, PkvPoolOut& out, int64_t indptr,
+                       int64_t block_row) noexcept nogil:
+    """The slots of positions old_len:new_len (from ``row`` on) and the CSR (from
+    ``indptr``) and block-table (from ``block_row``) rows of one sequence in one pool."""
     cdef int64_t pos
     for pos in range(old_len, new_len):
-        slot_mapping[row] = <int64_t>pages[pos // ps] * ps + pos % ps
+        out.slot_mapping[row] = <int64_t>pages[pos // ps] * ps + pos % ps
         row += 1
     if pages.size():
-        memcpy(indices, pages.data(), pages.size() * sizeof(int32_t))
-        memcpy(block_row, pages.data(), pages.size() * sizeof(int32_t))
+        memcpy(out.page_indices + indptr, pages.data(), pages.size() * sizeof(int32_t))
+        memcpy(out.block_table + block_row, pages.data(), pages.size() * sizeof(int32_t))
+
+
+cdef class PoolTables:
+    """One pool's tables of one ``append`` step (host numpy arrays).
+
+    Attributes
+    ----------
+    slot_mapping : ndarray, shape [total_new], int64
+        ``page * page_size + offset`` of each new token in this pool.
+    page_indices : ndarray, shape [nnz], int32
+        CSR page lists (rows by the step's ``page_indptr``); ``-1`` for window
+        pages given back.
+    block_table : ndarray, shape [B, max_pages], int32
+        Padded page table, ``-1`` past each sequence's pages (and for window
+        pages given back).
+    copy_src, copy_dst : ndarray, shape [num_copies], int32
+        Pages to copy (source to destination) in every layer of the pool
+        before anything of the step is stored.
+    """
+    cdef readonly cnp.ndarray slot_mapping, page_indices, block_table, copy_src, copy_dst
+
+
+cdef class AppendTables:
+    """The tables of one ``append`` step: those the pools share, and each pool's.
+
+    Attributes
+    ----------
+    query_start : ndarray, shape [B+1], int32
+    seq_lens : ndarray, shape [B], int32
+    page_indptr : ndarray, shape [B+1], int32
+    last_page_len : ndarray, shape [B], int32
+        A sequence's page list has as many entries in every pool, so the CSR
+        row pointers and last-page lengths serve them all.
+    full : PoolTables
+        The full-attention pool's tables.
+    window : PoolTables or None
+        The window pool's (None without one).
+    """
+    cdef readonly cnp.ndarray query_start, seq_lens, page_indptr, last_page_len
+    cdef readonly PoolTables full, window
+
+
+cdef PoolTables new_pool_tables(PkvPoolOut& out, Py_ssize_t B, int64_t total_new, int64_t nnz,
+                                int64_t max_pages, int64_t num_copies):
+    """One pool's tables of a step, allocated; ``out``: where the commit writes them."""
+    cdef PoolTables t = PoolTables.__new__(PoolTables)
+    t.slot_mapping = np.empty(total_new, dtype=np.int64)
+    t.page_indices = np.empty(nnz, dtype=np.int32)
+    t.block_table = np.full((B, max_pages), -1, dtype=np.int32)
+    t.copy_src = np.empty(num_copies, dtype=np.int32)
+    t.copy_dst = np.empty(num_copies, dtype=np.int32)
+    out.slot_mapping = <int64_t*>cnp.PyArray_DATA(t.slot_mapping)
+    out.page_indices = <int32_t*>cnp.PyArray_DATA(t.page_indices)
+    out.block_table = <int32_t*>cnp.PyArray_DATA(t.block_table)
+    out.copy_src = <int32_t*>cnp.PyArray_DATA(t.copy_src)
+    out.copy_dst = <int32_t*>cnp.PyArray_DATA(t.copy_dst)
+    return t
 
 
 cdef class PageTables:
@@ -600,15 +715,19 @@ cdef class PageTables:
         stored.  Window pages no later query can see are given back before
         the step's new pages are taken, so their room serves this step.
 
-        Two phases: a plan that changes nothing (validate, hash, count what
-        each pool must give exactly: the window pages the step gives back
-        count only where the sequence gets new tokens, and only once no
-        sequence holds them; allocate the tables), then a commit that
-        cannot fail.  The commit takes, in each pool, the copies'
-        destinations first, then gives window pages back, then takes the
-        new pages, and drops the copies' sources last: so a copy never
-        writes a page that this step gave back or copies from, and undoing
-        the step finds every page it gave back as it was.
+        Two phases, each in named steps.  A plan that changes nothing:
+        ``plan_step`` validates, hashes the pages the step fills (a user hash
+        function may raise) and counts what each pool must give exactly (the
+        window pages the step gives back count only where the sequence gets
+        new tokens, and only once no sequence holds them:
+        ``count_freed_window_pages``), ``check_room`` raises if a pool is
+        short, ``new_tables`` allocates the tables.  Then ``commit_step``,
+        which cannot fail: ``record_undo``, ``take_window_copies`` (the
+        copies' destinations first), ``give_back_window_pages``, then per
+        sequence ``extend_sequence`` (its full-pool copy, its new pages, its
+        token ids, its rows of the tables), and ``drop_copy_sources`` last:
+        so a copy never writes a page that this step gave back or copies
+        from, and undoing the step finds every page it gave back as it was.
 
         Parameters
         ----------
@@ -625,48 +744,51 @@ cdef class PageTables:
 
         Returns
         -------
-        dict of ndarray
-            ``query_start`` [B+1] int32, ``seq_lens`` [B] int32,
-            ``slot_mapping`` [total_new] int64, ``page_indptr`` [B+1] int32,
-            ``page_indices`` [nnz] int32, ``last_page_len`` [B] int32,
-            ``block_table`` [B, max_pages] int32 (-1 padded),
-            ``copy_src`` / ``copy_dst`` [num_copies] int32; with a window pool
-            also ``window_slot_mapping``, ``window_page_indices`` (-1 for
-            pages given back), ``window_block_table``, ``window_copy_src`` /
-            ``window_copy_dst`` (the window lists have the full lists'
-            lengths, so ``page_indptr`` and ``last_page_len`` serve both).
+        AppendTables
+            ``query_start``, ``seq_lens``, ``page_indptr``, ``last_page_len``
+            and, per pool (``full``, and ``window`` with a window pool), its
+            ``slot_mapping``, ``page_indices``, ``block_table`` and the
+            copies ``copy_src`` / ``copy_dst`` (see :class:`PoolTables`).
         """
         self.undo_armed = False
         cdef int64_t[::1] ids = seq_ids
         cdef int64_t[::1] counts = num_new_tokens
-        cdef int32_t[::1] tokens
+        cdef int32_t[::1] token_view
+        cdef const int32_t* tokens = NULL
         cdef bint track = self.caching and token_ids is not None
-        cdef bint windowed = self.windowed
-        cdef Py_ssize_t B = ids.shape[0], b, i
-        cdef int64_t ps = self.page_size
-        cdef int64_t cap = -1 if max_seq_len is None else max_seq_len
-        cdef vector[PkvSequence*] batch
-        # copies this step will make per shared page: the last writer of a
-        # page shared only within the step keeps it instead of copying
-        cdef unordered_map[int32_t, int32_t] copies_of, window_copies_of
-        # references to window pages the step gives back, per page
-        cdef unordered_map[int32_t, int32_t] window_releases
-        cdef vector[vector[uint64_t]] hashes
-        cdef vector[char] copy_full, copy_window
-        cdef PkvSequence* seq
-        cdef int64_t needed = 0, window_new = 0, window_freed = 0, new_len, total_new = 0
-        cdef int64_t nnz = 0, num_copies = 0, num_window_copies = 0, max_pages = 0
-        cdef int64_t row = 0, c = 0, wc = 0, old_len
-
-        # Plan: validate everything, count pages and hash the pages this step
-        # fills (a user hash function may raise); nothing changes yet.
-        batch.reserve(B)
-        copy_full.resize(B)
-        copy_window.resize(B)
+        cdef PkvStepPlan plan
+        cdef PkvStepOut out
         self.num_steps += 1
         if track:
-            tokens = token_ids
-            hashes.resize(B)
+            token_view = token_ids
+            if token_view.shape[0]:
+                tokens = &token_view[0]
+        self.plan_step(plan, ids, counts, -1 if max_seq_len is None else max_seq_len, track,
+                       tokens)
+        self.check_room(plan)
+        tables = self.new_tables(plan, out)
+        self.undo_seqs.resize(ids.shape[0])   # (may raise MemoryError: before anything changes)
+        self.undo_released.clear()
+        self.abandon_step(True)      # a previous step not stored in full is given up
+        with nogil:
+            self.commit_step(plan, ids, counts, track, tokens, out)
+        self.undo_armed = True
+        return tables
+
+    # (the plan: nothing changes but each sequence's duplicate-check mark)
+    cdef int plan_step(self, PkvStepPlan& plan, int64_t[::1] ids,
+                       int64_t[::1] counts, int64_t cap, bint track,
+                       const int32_t* tokens) except -1:
+        """Find and validate every sequence, decide its copies, count each pool's
+        pages and hash the pages the step fills, into ``plan``."""
+        cdef Py_ssize_t B = ids.shape[0], b
+        cdef PkvSequence* seq
+        cdef int64_t new_len, ps = self.page_size
+        plan.batch.reserve(B)
+        plan.copy_full.resize(B)
+        plan.copy_window.resize(B)
+        if track:
+            plan.hashes.resize(B)
         for b in range(B):
             seq = self.find_id(ids[b])
             if seq.last_step == self.num_steps:
@@ -679,139 +801,175 @@ cdef class PageTables:
             if new_len >= 2**31:
                 raise ValueError(f"num_new_tokens: sequence {ids[b]} would reach {new_len} tokens, "
                                  f"over the int32 limit of the tables")
-            copy_full[b] = must_copy(self.allocator, seq.pages, seq.length, ps, counts[b],
-                                     copies_of)
-            if copy_full[b]:
-                copies_of[seq.pages.back()] += 1
-                num_copies += 1
-            needed += copy_full[b] + pages_for(new_len, ps) - <int64_t>seq.pages.size()
-            if windowed:
-                copy_window[b] = must_copy(self.window_allocator, seq.window_pages, seq.length,
-                                           ps, counts[b], window_copies_of)
-                if copy_window[b]:
-                    window_copies_of[seq.window_pages.back()] += 1
-                    num_window_copies += 1
-                window_new += pages_for(new_len, ps) - <int64_t>seq.window_pages.size()
-                if counts[b]:        # (a sequence without new tokens gives nothing back)
-                    self.count_window_releases(seq, new_len, window_releases)
+            self.plan_pages(plan, b, seq, counts[b])
             if track and <int64_t>seq.tokens.size() == seq.length:
-                self.new_page_hashes(seq, counts[b], &tokens[total_new] if counts[b] else NULL,
-                                     hashes[b])
-            total_new += counts[b]
-            nnz += pages_for(new_len, ps)
-            max_pages = max(max_pages, pages_for(new_len, ps))
-            batch.push_back(seq)
-        for kv in window_releases:   # free once every holder of the page gave it back
-            window_freed += self.window_allocator.refcount_of(kv.first) == kv.second
-        if needed > self.allocator.num_free_pages:
+                self.new_page_hashes(seq, counts[b], tokens + plan.total_new if counts[b] else NULL,
+                                     plan.hashes[b])
+            plan.total_new += counts[b]
+            plan.nnz += pages_for(new_len, ps)
+            plan.max_pages = max(plan.max_pages, pages_for(new_len, ps))
+            plan.batch.push_back(seq)
+        if self.windowed:
+            self.count_freed_window_pages(plan)
+        return 0
+
+    cdef void plan_pages(self, PkvStepPlan& plan, Py_ssize_t b, PkvSequence* seq,
+                         int64_t count) noexcept nogil:
+        """Sequence ``b``'s copies and new pages in each pool, and the window pages
+        its step gives back."""
+        cdef int64_t ps = self.page_size, num_pages = pages_for(seq.length + count, ps)
+        plan.copy_full[b] = must_copy(self.allocator, seq.pages, seq.length, ps, count,
+                                      plan.copies_of)
+        if plan.copy_full[b]:
+            plan.copies_of[seq.pages.back()] += 1
+            plan.num_copies += 1
+        plan.needed += plan.copy_full[b] + num_pages - <int64_t>seq.pages.size()
+        if not self.windowed:
+            return
+        plan.copy_window[b] = must_copy(self.window_allocator, seq.window_pages, seq.length,
+                                        ps, count, plan.window_copies_of)
+        if plan.copy_window[b]:
+            plan.window_copies_of[seq.window_pages.back()] += 1
+            plan.num_window_copies += 1
+        plan.window_new += num_pages - <int64_t>seq.window_pages.size()
+        if count:        # (a sequence without new tokens gives nothing back)
+            self.count_window_releases(seq, seq.length + count, plan.window_releases)
+
+    cdef void count_freed_window_pages(self, PkvStepPlan& plan) noexcept nogil:
+        """The window pages the step frees: those every holder gives back."""
+        for kv in plan.window_releases:
+            plan.window_freed += self.window_allocator.refcount_of(kv.first) == kv.second
+
+    cdef int check_room(self, PkvStepPlan& plan) except -1:
+        """OutOfPagesError unless each pool can give what the plan takes."""
+        if plan.needed > self.allocator.num_free_pages:
             raise OutOfPagesError(
-                f"append: this step needs {needed} new pages, {self.allocator.num_free_pages} "
-                f"of {self.allocator.num_pages} free"
-                + (" in the full-attention pool" if windowed else ""))
-        if windowed and (num_window_copies > self.window_allocator.num_free_pages or
-                         num_window_copies + window_new - window_freed
-                         > self.window_allocator.num_free_pages):
+                f"append: this step needs {plan.needed} new pages, "
+                f"{self.allocator.num_free_pages} of {self.allocator.num_pages} free"
+                + (" in the full-attention pool" if self.windowed else ""))
+        if self.windowed and (plan.num_window_copies > self.window_allocator.num_free_pages or
+                              plan.num_window_copies + plan.window_new - plan.window_freed
+                              > self.window_allocator.num_free_pages):
             raise OutOfPagesError(
-                f"append: this step needs {num_window_copies + window_new} new window pages "
-                f"({num_window_copies} of them copies of shared pages, taken before the "
-                f"{window_freed} it gives back are free), "
+                f"append: this step needs {plan.num_window_copies + plan.window_new} new window "
+                f"pages ({plan.num_window_copies} of them copies of shared pages, taken before "
+                f"the {plan.window_freed} it gives back are free), "
                 f"{self.window_allocator.num_free_pages} of {self.window_allocator.num_pages} "
                 f"free in the window pool (the sliding-window layers; num_window_pages)")
+        return 0
 
-        out = {
-            "query_start": np.empty(B + 1, dtype=np.int32),
-            "seq_lens": np.empty(B, dtype=np.int32),
-            "slot_mapping": np.empty(total_new, dtype=np.int64),
-            "page_indptr": np.empty(B + 1, dtype=np.int32),
-            "page_indices": np.empty(nnz, dtype=np.int32),
-            "last_page_len": np.empty(B, dtype=np.int32),
-            "block_table": np.full((B, max_pages), -1, dtype=np.int32),
-            "copy_src": np.empty(num_copies, dtype=np.int32),
-            "copy_dst": np.empty(num_copies, dtype=np.int32),
-        }
-        if windowed:
-            out.update({
-                "window_slot_mapping": np.empty(total_new, dtype=np.int64),
-                "window_page_indices": np.empty(nnz, dtype=np.int32),
-                "window_block_table": np.full((B, max_pages), -1, dtype=np.int32),
-                "window_copy_src": np.empty(num_window_copies, dtype=np.int32),
-                "window_copy_dst": np.empty(num_window_copies, dtype=np.int32),
-            })
-        cdef int32_t[::1] query_start = out["query_start"], seq_lens = out["seq_lens"]
-        cdef int64_t[::1] slot_mapping = out["slot_mapping"]
-        cdef int32_t[::1] page_indptr = out["page_indptr"], page_indices = out["page_indices"]
-        cdef int32_t[::1] last_page_len = out["last_page_len"]
-        cdef int32_t[:, ::1] block_table = out["block_table"]
-        cdef int32_t[::1] copy_src = out["copy_src"], copy_dst = out["copy_dst"]
-        # (the window views alias the full ones when there is no window pool; never written)
-        cdef int64_t[::1] w_slot_mapping = out.get("window_slot_mapping", out["slot_mapping"])
-        cdef int32_t[::1] w_page_indices = out.get("window_page_indices", out["page_indices"])
-        cdef int32_t[:, ::1] w_block_table = out.get("window_block_table", out["block_table"])
-        cdef int32_t[::1] w_copy_src = out.get("window_copy_src", out["copy_src"])
-        cdef int32_t[::1] w_copy_dst = out.get("window_copy_dst", out["copy_dst"])
+    cdef AppendTables new_tables(self, PkvStepPlan& plan, PkvStepOut& out):
+        """The step's tables, allocated (``out``: where the commit writes them)."""
+        cdef Py_ssize_t B = plan.batch.size()
+        cdef AppendTables tables = AppendTables.__new__(AppendTables)
+        tables.query_start = np.empty(B + 1, dtype=np.int32)
+        tables.seq_lens = np.empty(B, dtype=np.int32)
+        tables.page_indptr = np.empty(B + 1, dtype=np.int32)
+        tables.last_page_len = np.empty(B, dtype=np.int32)
+        out.query_start = <int32_t*>cnp.PyArray_DATA(tables.query_start)
+        out.seq_lens = <int32_t*>cnp.PyArray_DATA(tables.seq_lens)
+        out.page_indptr = <int32_t*>cnp.PyArray_DATA(tables.page_indptr)
+        out.last_page_len = <int32_t*>cnp.PyArray_DATA(tables.last_page_len)
+        out.max_pages = plan.max_pages
+        tables.full = new_pool_tables(out.full, B, plan.total_new, plan.nnz, plan.max_pages,
+                                      plan.num_copies)
+        tables.window = new_pool_tables(out.window, B, plan.total_new, plan.nnz,
+                                        plan.max_pages, plan.num_window_copies) \
+            if self.windowed else None
+        return tables
+
+    # (the commit: cannot fail)
+    cdef void commit_step(self, PkvStepPlan& plan, int64_t[::1] ids,
+                          int64_t[::1] counts, bint track, const int32_t* tokens,
+                          PkvStepOut& out) noexcept nogil:
+        cdef Py_ssize_t b, B = plan.batch.size()
+        cdef int64_t row = 0
+        self.record_undo(plan, ids)
+        if self.windowed:
+            self.take_window_copies(plan, out.window)
+            self.give_back_window_pages(plan, counts)
+        out.query_start[0] = 0
+        out.page_indptr[0] = 0
+        for b in range(B):
+            self.extend_sequence(plan, b, ids[b], counts[b], track, tokens, row, out)
+            row += counts[b]
+        self.drop_copy_sources(out)
+
+    cdef void record_undo(self, PkvStepPlan& plan, int64_t[::1] ids) noexcept nogil:
+        """What each sequence is before the step, for ``undo_append``."""
+        cdef Py_ssize_t b
+        cdef PkvSequence* seq
+        cdef PkvUndoSeq* u
+        for b in range(<Py_ssize_t>plan.batch.size()):
+            seq = plan.batch[b]
+            u = &self.undo_seqs[b]
+            u.seq_id = ids[b]
+            u.length = seq.length
+            u.num_pages = seq.pages.size()
+            u.num_window_pages = seq.window_pages.size()
+            u.window_released = seq.window_released
+            u.num_tokens = seq.tokens.size()
+            u.num_hashes = seq.hashes.size()
+            u.copy_source = -1
+            u.window_copy_source = -1
+
+    cdef void take_window_copies(self, PkvStepPlan& plan, PkvPoolOut& window) noexcept nogil:
+        """Private copies of the shared last window pages, before anything is given back."""
+        cdef Py_ssize_t b
+        for b in range(<Py_ssize_t>plan.batch.size()):
+            if plan.copy_window[b]:
+                self.undo_seqs[b].window_copy_source = take_copy(
+                    self.window_allocator, plan.batch[b].window_pages, window)
+
+    cdef void give_back_window_pages(self, PkvStepPlan& plan,
+                                     int64_t[::1] counts) noexcept nogil:
+        """The window pages no query of the step (or after a rollback) can see."""
+        cdef Py_ssize_t b
+        cdef PkvSequence* seq
+        for b in range(<Py_ssize_t>plan.batch.size()):
+            if counts[b]:
+                seq = plan.batch[b]
+                self.release_window_recorded(seq, self.keep_from(seq.length,
+                                                                 seq.length + counts[b]), b)
+
+    cdef void extend_sequence(self, PkvStepPlan& plan, Py_ssize_t b, int64_t seq_id,
+                              int64_t count, bint track, const int32_t* tokens, int64_t row,
+                              PkvStepOut& out) noexcept nogil:
+        """Sequence ``b`` of the step: its full-pool copy, new pages in each pool, new
+        token ids (and pending full pages), and its rows of the tables (its new
+        tokens are rows ``row:row + count``)."""
+        cdef PkvSequence* seq = plan.batch[b]
+        cdef int64_t ps = self.page_size, old_len = seq.length, new_len = seq.length + count
         cdef size_t n_pages
-        self.undo_seqs.resize(B)         # (may raise MemoryError: before anything changes)
-        self.undo_released.clear()
-        self.abandon_step(True)      # a previous step not stored in full is given up
+        if plan.copy_full[b]:
+            self.undo_seqs[b].copy_source = take_copy(self.allocator, seq.pages, out.full)
+        grow(self.allocator, seq.pages, pages_for(new_len, ps))
+        if self.windowed:
+            grow(self.window_allocator, seq.window_pages, pages_for(new_len, ps))
+        if track and <int64_t>seq.tokens.size() == seq.length:
+            self.open_seqs.push_back(pair[int64_t, int64_t](seq_id, seq.length))
+            if count > 0:   # (tokens + row may be one past the end of tokens otherwise)
+                seq.tokens.insert(seq.tokens.end(), tokens + row, tokens + row + count)
+            self.record_full_pages(seq_id, seq, plan.hashes[b])
+        n_pages = seq.pages.size()
+        write_tables(seq.pages, old_len, new_len, ps, row, out.full, out.page_indptr[b],
+                     b * out.max_pages)
+        if self.windowed:
+            write_tables(seq.window_pages, old_len, new_len, ps, row, out.window,
+                         out.page_indptr[b], b * out.max_pages)
+        seq.length = new_len
+        out.page_indptr[b + 1] = out.page_indptr[b] + <int32_t>n_pages
+        out.query_start[b + 1] = <int32_t>(row + count)
+        out.seq_lens[b] = <int32_t>new_len
+        out.last_page_len[b] = <int32_t>(new_len - (<int64_t>n_pages - 1) * ps) if n_pages else 0
 
-        # Commit (cannot fail) and fill the tables.
-        with nogil:
-            for b in range(B):
-                seq = batch[b]
-                self.undo_seqs[b].seq_id = ids[b]
-                self.undo_seqs[b].length = seq.length
-                self.undo_seqs[b].num_pages = seq.pages.size()
-                self.undo_seqs[b].num_window_pages = seq.window_pages.size()
-                self.undo_seqs[b].window_released = seq.window_released
-                self.undo_seqs[b].num_tokens = seq.tokens.size()
-                self.undo_seqs[b].num_hashes = seq.hashes.size()
-                self.undo_seqs[b].copy_source = -1
-                self.undo_seqs[b].window_copy_source = -1
-                if windowed and copy_window[b]:
-                    self.undo_seqs[b].window_copy_source = take_copy(
-                        self.window_allocator, seq.window_pages, w_copy_src, w_copy_dst, &wc)
-            if windowed:
-                for b in range(B):
-                    if counts[b]:
-                        seq = batch[b]
-                        self.release_window_recorded(
-                            seq, self.keep_from(seq.length, seq.length + counts[b]), b)
-            query_start[0] = 0
-            page_indptr[0] = 0
-            for b in range(B):
-                seq = batch[b]
-                old_len = seq.length
-                new_len = old_len + counts[b]
-                if copy_full[b]:
-                    self.undo_seqs[b].copy_source = take_copy(self.allocator, seq.pages,
-                                                              copy_src, copy_dst, &c)
-                grow(self.allocator, seq.pages, pages_for(new_len, ps))
-                if windowed:
-                    grow(self.window_allocator, seq.window_pages, pages_for(new_len, ps))
-                if track and <int64_t>seq.tokens.size() == seq.length:
-                    self.open_seqs.push_back(pair[int64_t, int64_t](ids[b], seq.length))
-                    if counts[b] > 0:   # (row may be one past the end of tokens otherwise)
-                        seq.tokens.insert(seq.tokens.end(), &tokens[row],
-                                          &tokens[row] + counts[b])
-                    self.record_full_pages(ids[b], seq, hashes[b])
-                n_pages = seq.pages.size()
-                write_tables(seq.pages, old_len, new_len, ps, row, slot_mapping,
-                             &page_indices[page_indptr[b]], &block_table[b, 0])
-                if windowed:
-                    write_tables(seq.window_pages, old_len, new_len, ps, row, w_slot_mapping,
-                                 &w_page_indices[page_indptr[b]], &w_block_table[b, 0])
-                row += counts[b]
-                seq.length = new_len
-                page_indptr[b + 1] = page_indptr[b] + <int32_t>n_pages
-                query_start[b + 1] = <int32_t>row
-                seq_lens[b] = <int32_t>new_len
-                last_page_len[b] = <int32_t>(new_len - (<int64_t>n_pages - 1) * ps) if n_pages else 0
-            for i in range(c):
-                self.allocator.decref_page(copy_src[i])
-            for i in range(wc):
-                self.window_allocator.decref_page(w_copy_src[i])
-        self.undo_armed = True
-        return out
+    cdef void drop_copy_sources(self, PkvStepOut& out) noexcept nogil:
+        """Let go of the shared pages the step copied, now that its pages are all taken."""
+        cdef int64_t i
+        for i in range(out.full.num_copied):
+            self.allocator.decref_page(out.full.copy_src[i])
+        for i in range(out.window.num_copied):
+            self.window_allocator.decref_page(out.window.copy_src[i])
 
     def undo_append(self):
         """Take back the last ``append``, when what its caller does next with it

@@ -19,6 +19,7 @@ from pagedkv._arrays import array_or_as_given, is_torch_tensor
 from pagedkv._exclusive import Guard, exclusive
 from pagedkv._memory import check_fits
 from pagedkv._page_table import PageTables
+from pagedkv.pools import manager_for, pool_specs
 from pagedkv._validate import check_int, check_int_vector, check_seq_id, check_tensor
 from pagedkv.attention_spec import MAX_WINDOW, AttentionSpec
 from pagedkv.backends import backend_class, resolve_backend
@@ -172,29 +173,40 @@ class PagedKVCache:
             check_int("num_window_pages", num_window_pages, minimum=1, maximum=2**31 - 1)
         rollback = check_int("window_rollback_tokens", window_rollback_tokens, minimum=1,
                              maximum=2**31 - 1)
-        if not windowed:
-            num_window_pages = 0
-        layer_pages = [num_pages if w is None else num_window_pages for w in self.layer_windows]
+        pools = pool_specs(self.layer_windows, num_pages, num_window_pages, rollback)
+        layer_pages = [0] * self.num_layers
+        for pool in pools:
+            for layer in pool.layers:
+                layer_pages[layer] = pool.num_pages
         page_bytes = self.storage.page_bytes(self.num_kv_heads, self.page_size, self.head_dim)
         per_page = _ALLOCATOR_BYTES_PER_PAGE + enable_prefix_caching * self.page_size \
             * _ALLOCATOR_BYTES_PER_CACHED_TOKEN
-        check_fits(2 * page_bytes * sum(layer_pages) + per_page * (num_pages + num_window_pages),
+        check_fits(2 * page_bytes * sum(layer_pages)
+                   + per_page * sum(pool.num_pages for pool in pools),
                    f"num_pages: {num_pages} pages of {self.num_layers} layers"
-                   + (f" and {num_window_pages} window pages" if windowed else ""))
+                   + "".join(f" and {pool.num_pages} {pool.name} pages" for pool in pools[1:]))
         self.backend = resolve_backend(backend)
         self._backend = backend_class(self.backend)(
             num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, layer_pages=layer_pages,
             page_size=self.page_size, storage=self.storage, device=device,
             options=backend_options)
         self.prefix_caching = enable_prefix_caching
-        self._allocator = PageAllocator(num_pages, self.page_size, enable_prefix_caching)
-        self._window_allocator = PageAllocator(num_window_pages, self.page_size,
-                                               enable_prefix_caching) if windowed else None
+        allocators = [PageAllocator(pool.num_pages, self.page_size, enable_prefix_caching)
+                      for pool in pools]
+        self._allocator = allocators[0]
+        self._window_allocator = allocators[1] if windowed else None
+        window_pool = pools[1] if windowed else None
         self._tables = PageTables(
             self._allocator, prefix_hash, self._window_allocator,
-            max((w for w in self.layer_windows if w is not None), default=0), rollback)
-        self._pool_layers = ([i for i, w in enumerate(self.layer_windows) if w is None],
-                             [i for i, w in enumerate(self.layer_windows) if w is not None])
+            window_pool.window if window_pool else 0,
+            window_pool.rollback if window_pool else rollback)
+        self._pools = tuple(manager_for(pool, allocator, self._tables)
+                            for pool, allocator in zip(pools, allocators))
+        layer_pool = [self._pools[0]] * self.num_layers     # each layer's pool manager
+        for manager in self._pools:
+            for layer in manager.layers:
+                layer_pool[layer] = manager
+        self._layer_pool = tuple(layer_pool)
         self._checkpoints = CheckpointBook(self)
         self._generation = 0
         self._swapped: Dict[int, SequenceKV] = {}   # swapped-out id -> its K/V in host memory
@@ -443,19 +455,16 @@ class PagedKVCache:
         try:
             t = self._tables.append(ids, counts, self.max_seq_len,
                                     token_ids if self.prefix_caching else None)
-            full_layers, window_layers = self._pool_layers
             batch = StepBatch(self, self._generation + 1, ids, t)
-            if full_layers:
-                self._backend.prepare_step(batch._tables)
-            if window_layers:
-                self._backend.prepare_step(batch._window_tables)
+            for pool in self._pools:
+                if pool.layers:
+                    self._backend.prepare_step(pool.step_tables(batch))
             # the copies last: they write only pages this step took, which the
             # undo below gives back
-            if len(t["copy_src"]):
-                self._backend.copy_pages(t["copy_src"], t["copy_dst"], full_layers)
-            if window_layers and len(t["window_copy_src"]):
-                self._backend.copy_pages(t["window_copy_src"], t["window_copy_dst"],
-                                         window_layers)
+            for pool in self._pools:
+                copy_src, copy_dst = pool.copies(t)
+                if len(copy_src):
+                    self._backend.copy_pages(copy_src, copy_dst, pool.layers)
         except BaseException:
             # whatever failed after the tables committed (an interrupt, a device
             # error, MemoryError): nothing of this step stays
@@ -501,7 +510,7 @@ class PagedKVCache:
         native = self._backend.array_types
         k = check_tensor("k", k, shape, native_types=native)
         v = check_tensor("v", v, shape, native_types=native)
-        self._backend.store(layer, batch._tables_of(self.layer_windows[layer]), k, v)
+        self._backend.store(layer, self._layer_pool[layer].step_tables(batch), k, v)
         batch._stored_layers.add(layer)
         if len(batch._stored_layers) == self.num_layers and self._tables.has_open_step:
             self._tables.close_step()
@@ -582,13 +591,9 @@ class PagedKVCache:
             sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, sinks=sinks,
             attention_chunk_size=attention_chunk_size, alibi_slopes=alibi_slopes,
             as_numpy=array_or_as_given)
-        window = self.layer_windows[layer]
-        if window is not None:
-            if spec.sliding_window is not None and spec.sliding_window > window:
-                raise ValueError(f"sliding_window: layer {layer} keeps only a window of "
-                                 f"{window} positions, got {spec.sliding_window}")
-            spec = spec.with_window(window)
-        tables = batch._tables_of(window)
+        pool = self._layer_pool[layer]
+        spec = pool.layer_spec(layer, spec, self.layer_windows[layer])
+        tables = pool.step_tables(batch)
         if layer not in batch._stored_layers and batch.num_tokens:
             raise ValueError(f"layer: K/V of layer {layer} were not stored for this step; "
                              f"call store({layer}, batch, k, v) first")
@@ -619,12 +624,14 @@ class PagedKVCache:
             in host memory, see ``swap_out``).
         """
         prompt = self._tables.num_prompt_tokens
-        stats = self._pool_stats(self._allocator, "pages")
-        stats["prefix_hit_rate"] = self._tables.num_reused_tokens / prompt if prompt else 0.0
-        stats["num_evictions"] = int(self._allocator.num_evictions)
-        if self._window_allocator is not None:
-            stats.update(self._pool_stats(self._window_allocator, "window_pages"))
-            stats["num_window_evictions"] = int(self._window_allocator.num_evictions)
+        stats: Dict[str, Union[int, float]] = {}
+        for pool in self._pools:
+            prefix = "" if pool.name == "full" else pool.name + "_"
+            stats.update(self._pool_stats(pool.allocator, prefix + "pages"))
+            if pool.name == "full":
+                stats["prefix_hit_rate"] = self._tables.num_reused_tokens / prompt \
+                    if prompt else 0.0
+            stats[f"num_{prefix}evictions"] = int(pool.allocator.num_evictions)
         stats["num_swapped_sequences"] = len(self._swapped)
         stats["swapped_bytes"] = sum(kv.nbytes for kv in self._swapped.values())
         return stats
@@ -640,8 +647,7 @@ class PagedKVCache:
     @exclusive
     def reset_prefix_cache(self) -> int:
         """Drop every cached page that no sequence uses (both pools); return how many."""
-        return self._allocator.reset_prefix_cache() + \
-            (self._window_allocator.reset_prefix_cache() if self._window_allocator else 0)
+        return sum(pool.allocator.reset_prefix_cache() for pool in self._pools)
 
     # -- reading back ----------------------------------------------------------------
     @exclusive
@@ -663,15 +669,15 @@ class PagedKVCache:
     def _slots(self, layer, seq_id, start, stop, name):
         """Slots of positions start:stop in the layer's pool; a windowed layer's
         positions given back are a ValueError naming ``name``."""
-        windowed = self.layer_windows[layer] is not None
-        if windowed and start < stop:
-            held_from = self._tables.window_held_from(seq_id)
+        pool = self._layer_pool[layer]
+        if start < stop:
+            held_from = pool.held_from(seq_id)
             if start < held_from:
                 raise ValueError(
                     f"{name}: layer {layer} (sliding window {self.layer_windows[layer]}) holds "
                     f"K/V of sequence {seq_id} only from position {held_from}; earlier ones "
                     f"were given back, got {start}")
-        return self._tables.slots(seq_id, start, stop, windowed)
+        return pool.slots(seq_id, start, stop)
 
     @exclusive
     def read_token(self, layer: int, seq_id: int, pos: int) -> Tuple[np.ndarray, np.ndarray]:

@@ -108,8 +108,8 @@ def _export_chains(cache):
     slots = {False: (chains["pages"][:, None].astype(np.int64) * ps + offsets).ravel(),
              True: (chains["window_pages"][has_window][:, None].astype(np.int64) * ps
                     + offsets).ravel()}
-    rows = [cache._backend.read_rows(layer, slots[window is not None])
-            for layer, window in enumerate(cache.layer_windows)]
+    rows = [cache._backend.read_rows(layer, slots[pool.in_window_lists])
+            for layer, pool in enumerate(cache._layer_pool)]
     tensors = {"prefix_cache.token_ids": np.ascontiguousarray(chains["tokens"]),
                "prefix_cache.parents": chains["parents"],
                "prefix_cache.has_window": has_window.astype(np.uint8)}

@@ -81,9 +81,10 @@ class StepBatch(_ReadOnlyTables):
     """
 
     def __init__(self, cache, generation, seq_ids, tables):
-        names = ("query_start", "seq_lens", "slot_mapping", "page_indptr", "page_indices",
-                 "last_page_len", "block_table")
-        private = {name: _frozen(tables[name]) for name in names}
+        private = {name: _frozen(getattr(tables, name))
+                   for name in ("query_start", "seq_lens", "page_indptr", "last_page_len")}
+        for name in ("slot_mapping", "page_indices", "block_table"):
+            private[name] = _frozen(getattr(tables.full, name))
         private["seq_ids"] = _frozen(seq_ids)
         super().__init__(private)
         self._cache = cache
@@ -94,18 +95,14 @@ class StepBatch(_ReadOnlyTables):
                                   p["page_indptr"], p["page_indices"])
         self.window_tables = None
         self._window_tables = None
-        if "window_slot_mapping" in tables:
+        if tables.window is not None:
             window = {"page_indptr": p["page_indptr"], "last_page_len": p["last_page_len"]}
             for name in ("slot_mapping", "page_indices", "block_table"):
-                window[name] = _frozen(tables["window_" + name])
+                window[name] = _frozen(getattr(tables.window, name))
             self.window_tables = WindowTables(window)
             self._window_tables = StepTables(p["query_start"], p["seq_lens"],
                                              window["slot_mapping"], p["page_indptr"],
                                              window["page_indices"])
-
-    def _tables_of(self, window):
-        """What the kernels of a layer with ``window`` (None: full attention) read."""
-        return self._tables if window is None else self._window_tables
 
     seq_ids = property(lambda self: self._view("seq_ids"))
     query_start = property(lambda self: self._view("query_start"))

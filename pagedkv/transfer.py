@@ -24,6 +24,7 @@ import numpy as np
 from pagedkv.backends.base import StepTables, StoredRows
 from pagedkv.backends.host import decode_rows
 from pagedkv.errors import ArgumentTypeError
+from pagedkv.pools import SLIDING_WINDOW
 from pagedkv.storage import NAMES as STORAGE_NAMES, StorageFormat, storage_format
 
 
@@ -161,8 +162,13 @@ class SequenceKV:
         return self
 
 
-def _windowed_layers(cache):
-    return [layer for layer, window in enumerate(cache.layer_windows) if window is not None]
+def _window_pool(cache):
+    """The cache's sliding-window pool manager, or None."""
+    # (a loop: an unfinished generator is closed later, where an error raised in it is lost)
+    for pool in cache._pools:
+        if pool.spec.attention == SLIDING_WINDOW:
+            return pool
+    return None
 
 
 def rows_in_one_buffer(storage, counts, num_kv_heads, head_dim):
@@ -199,16 +205,14 @@ def export_sequence(cache, seq_id):
     if tables.is_swapped(seq_id):
         return cache._swapped[int(seq_id)]
     length = tables.seq_len(seq_id)
-    windowed = bool(_windowed_layers(cache))
-    held_from = tables.window_held_from(seq_id) if windowed else 0
-    slots = {False: tables.slots(seq_id, 0, length, False)}
-    if windowed:
-        slots[True] = tables.slots(seq_id, held_from, length, True)
-    layer_start = [0 if window is None else held_from for window in cache.layer_windows]
+    held_from = {pool.name: pool.held_from(seq_id) for pool in cache._pools}
+    slots = {pool.name: pool.slots(seq_id, held_from[pool.name], length)
+             for pool in cache._pools}
+    layer_start = [held_from[pool.name] for pool in cache._layer_pool]
     rows = rows_in_one_buffer(cache.storage, [length - start for start in layer_start],
                               cache.num_kv_heads, cache.head_dim)
-    for layer, window in enumerate(cache.layer_windows):
-        cache._backend.read_rows(layer, slots[window is not None], rows[layer])
+    for layer, pool in enumerate(cache._layer_pool):
+        cache._backend.read_rows(layer, slots[pool.name], rows[layer])
     tokens = tables.known_tokens(seq_id) if cache.prefix_caching else None
     scaled = cache.storage.scaled
     return SequenceKV(
@@ -257,14 +261,14 @@ def window_start(cache, kv, trim=True):
                 f"layer_start: layer {layer} is a full-attention layer of this cache and needs "
                 f"K/V from position 0; the sequence's K/V of layer {layer} start at position "
                 f"{kv.layer_start[layer]}")
-    windowed = _windowed_layers(cache)
-    if not windowed:
+    window_pool = _window_pool(cache)
+    if window_pool is None:
         return 0
+    windowed = window_pool.layers
     held = max(kv.layer_start[layer] for layer in windowed)
     start = -(-held // page_size) * page_size
     if trim:
-        keep = max(0, min(length, length - cache._tables.rollback)
-                   - cache._tables.window + 1)
+        keep = window_pool.spec.keep_from(length, length)
         start = max(start, keep // page_size * page_size)
     for layer in windowed:
         need = max(0, length - windows[layer] + 1)
@@ -299,13 +303,12 @@ def write_rows(cache, layer, slots, rows, storage):
 
 def write_sequence(cache, kv, seq_id, start):
     """Fill the placed sequence ``seq_id`` from ``kv``; windowed layers from ``start``."""
-    tables, storage = cache._tables, kv.storage
-    slots = {False: tables.slots(seq_id, 0, kv.num_tokens, False)}
-    if _windowed_layers(cache):
-        slots[True] = tables.slots(seq_id, start, kv.num_tokens, True)
-    for layer, window in enumerate(cache.layer_windows):
-        first = 0 if window is None else start
-        write_rows(cache, layer, slots[window is not None], kv.rows(layer, first), storage)
+    storage = kv.storage
+    first = {pool.name: pool.import_start(start) for pool in cache._pools}
+    slots = {pool.name: pool.slots(seq_id, first[pool.name], kv.num_tokens)
+             for pool in cache._pools}
+    for layer, pool in enumerate(cache._layer_pool):
+        write_rows(cache, layer, slots[pool.name], kv.rows(layer, first[pool.name]), storage)
 
 
 def import_sequence(cache, kv, start=None):
@@ -421,8 +424,9 @@ def add_cached_chains(cache, chains, reserve, reserve_window):
     full_rank = np.arange(len(chains.parents), dtype=np.int64)
     rank = [windowed_rank if windowed else full_rank for windowed in chains.layer_windowed]
     held = [(r[node] >= 0).all(axis=1) for r in rank]      # [num_layers] of [M] bool
-    full_layers = [layer for layer, w in enumerate(cache.layer_windows) if w is None]
-    windowed = [layer for layer, w in enumerate(cache.layer_windows) if w is not None]
+    full_layers = cache._pools[0].layers
+    window_pool = _window_pool(cache)
+    windowed = window_pool.layers if window_pool is not None else ()
     valid = np.logical_and.reduce([held[layer] for layer in full_layers] + [np.ones(len(node),
                                                                                      bool)])
     has_window = np.logical_and.reduce([held[layer] for layer in windowed]) if windowed         else np.zeros(len(node), bool)
@@ -440,8 +444,10 @@ def add_cached_chains(cache, chains, reserve, reserve_window):
     offsets = np.arange(page_size, dtype=np.int64)
 
     def write(pages, window_pages):
-        for layer, window in enumerate(cache.layer_windows):
-            targets = pages if window is None else window_pages
+        targets_of = {pool.name: window_pages if pool.in_window_lists else pages
+                      for pool in cache._pools}
+        for layer, pool in enumerate(cache._layer_pool):
+            targets = targets_of[pool.name]
             chosen = np.flatnonzero(targets >= 0)
             slots = (targets[chosen, None].astype(np.int64) * page_size + offsets).ravel()
             at = rows_at[layer][chosen].ravel()

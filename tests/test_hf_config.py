@@ -55,6 +55,16 @@ def test_the_config_is_read():
     assert pagedkv.hf.read_model_attention(tiny_llama_config()).layer_windows == (None, None)
 
 
+def test_chunked_layers_attend_with_their_chunk():
+    require_hf()
+    import pagedkv.hf
+    from transformers import Llama4TextConfig
+    spec = pagedkv.hf.read_model_attention(Llama4TextConfig(num_hidden_layers=4,
+                                                            attention_chunk_size=512))
+    assert spec.layer_chunks == (512, 512, 512, None)
+    assert spec.layer_windows == (None,) * 4     # chunked layers keep K/V in the full pool
+
+
 def _with_layer_types(types):
     config = tiny_llama_config()
     config.layer_types = types
@@ -64,8 +74,6 @@ def _with_layer_types(types):
 @pytest.mark.parametrize("config, named", [
     (lambda: __import__("transformers").Qwen3NextConfig(num_hidden_layers=4),
      r"config.layer_types\[0\]: 'linear_attention' has no mapping"),
-    (lambda: __import__("transformers").Llama4TextConfig(num_hidden_layers=4),
-     r"config.layer_types\[0\]: 'chunked_attention' has no mapping"),
     (lambda: _with_layer_types(["full_attention", "mystery_attention"]),
      r"config.layer_types\[1\]: 'mystery_attention' has no mapping"),
     (lambda: tiny_llama_config(num_attention_heads=4, num_key_value_heads=3),

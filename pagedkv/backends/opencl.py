@@ -16,6 +16,7 @@ the pool, so even a corrupt table cannot make it touch memory out of bounds.
 """
 import functools
 import os
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -122,6 +123,16 @@ def _zeroed_buffer(context, nbytes):
     makes them, inherits the record of an upload freed before).
     """
     return _buffer_holding(context, np.zeros(max(nbytes, 1), np.uint8))
+
+
+class _DeviceTables(NamedTuple):
+    """A step's tables on the device (``prepare_step``), shared by every layer of
+    the step; each a device buffer, or None where the table is empty."""
+    slot_mapping: Any
+    page_indptr: Any
+    page_indices: Any
+    query_start: Any
+    seq_lens: Any
 
 
 class _PendingStore:
@@ -419,10 +430,12 @@ class OpenCLBackend(Backend):
         """Upload the step's tables once (``tables.device``); every layer reuses them."""
         self._check_process()
         self._flush()
-        tables.device = {
-            name: self._upload(getattr(tables, name)) if len(getattr(tables, name)) else None
-            for name in ("slot_mapping", "page_indptr", "page_indices", "query_start",
-                         "seq_lens")}
+        def upload(array):
+            return self._upload(array) if len(array) else None
+
+        tables.device = _DeviceTables(
+            upload(tables.slot_mapping), upload(tables.page_indptr),
+            upload(tables.page_indices), upload(tables.query_start), upload(tables.seq_lens))
 
     def copy_pages(self, src, dst, layers):
         self._check_process()
@@ -460,7 +473,7 @@ class OpenCLBackend(Backend):
             if self.storage.scaled else {}
         return self._launch(
             self._k_scatter, tables.num_tokens * self.num_kv_heads * self._rows_or_vectors,
-            wait_for=wait_for, k=k, v=v, slot_mapping=tables.device["slot_mapping"],
+            wait_for=wait_for, k=k, v=v, slot_mapping=tables.device.slot_mapping,
             k_pool=self._k[layer], v_pool=self._v[layer], num_tokens=tables.num_tokens,
             num_kv_heads=self.num_kv_heads, page_size=self.page_size,
             num_slots=self.layer_pages[layer] * self.page_size, **scales)
@@ -536,9 +549,9 @@ class OpenCLBackend(Backend):
         events = [self._k_attention(
             self.queue, (num_groups * wg,), (wg,), wait_for=q_wait,
             q=qd, k_pool=self._k[layer], v_pool=self._v[layer], k_scales=k_scales,
-            v_scales=v_scales, page_indptr=t["page_indptr"],
-            page_indices=t["page_indices"], items=plan.items, num_items=plan.num_items,
-            query_start=t["query_start"], seq_lens=t["seq_lens"],
+            v_scales=v_scales, page_indptr=t.page_indptr,
+            page_indices=t.page_indices, items=plan.items, num_items=plan.num_items,
+            query_start=t.query_start, seq_lens=t.seq_lens,
             num_slots=self.layer_pages[layer] * self.page_size, **store, group=plan.group,
             num_groups=plan.num_groups, sub_groups=plan.sub_groups, page_size=self.page_size,
             num_pages=self.layer_pages[layer], nnz=len(tables.page_indices), scale=spec.scale,
@@ -589,7 +602,7 @@ class OpenCLBackend(Backend):
         most = max(1, self.layout.max_work_item_iterations * wg // vectors)
         per_group = min(max(-(-rows // wanted), -(-wg // vectors)), most)
         return dict(num_groups=-(-rows // per_group), new_k=pending.k, new_v=pending.v,
-                    slot_mapping=pending.tables.device["slot_mapping"],
+                    slot_mapping=pending.tables.device.slot_mapping,
                     num_new_tokens=num_tokens, scatter_rows=per_group)
 
     @property

@@ -103,6 +103,8 @@ def paged_attention_forward(module, query, key, value, attention_mask, dropout=0
     cap = spec.logits_soft_cap if softcap is None else softcap
     if cap is not None:
         variants["logits_soft_cap"] = float(cap)
+    if spec.layer_chunks[layer] is not None:
+        variants["attention_chunk_size"] = spec.layer_chunks[layer]
     if s_aux is not None:
         variants["sinks"] = s_aux.detach().float().cpu()
     out = cache.attend(layer, query, key, value, attention_mask, variants,

@@ -5,7 +5,9 @@ A decoder maps onto one :class:`~pagedkv.PagedKVCache`: its layers
 (``num_hidden_layers``), KV heads (``num_key_value_heads``; GQA when fewer than
 ``num_attention_heads``), ``head_dim``, and per layer a window
 (``sliding_attention`` layers take ``sliding_window`` as their
-``layer_windows`` entry; ``full_attention`` layers none).  The variants of the
+``layer_windows`` entry; ``full_attention`` layers none) or a chunk
+(``chunked_attention`` layers, Llama 4, attend with ``attention_chunk_size``;
+they keep their K/V in the full pool).  The variants of the
 attention call come from the config too: the scale (``query_pre_attn_scalar``
 ** -0.5 where a model has it, else ``head_dim`` ** -0.5; the model's own
 ``scaling`` wins when it passes one) and the soft cap
@@ -16,7 +18,7 @@ from dataclasses import dataclass
 from typing import Optional, Tuple
 
 #: Layer types of transformers' configs that map onto a pagedkv layer.
-SERVED_LAYER_TYPES = ("full_attention", "sliding_attention")
+SERVED_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 
 
 class UnsupportedModelError(ValueError):
@@ -33,6 +35,8 @@ class ModelAttention:
     num_layers, num_heads, num_kv_heads, head_dim : int
     layer_windows : tuple of (int or None), length num_layers
         ``W`` for a sliding-window layer, ``None`` for a full-attention one.
+    layer_chunks : tuple of (int or None), length num_layers
+        ``C`` (``attention_chunk_size``) for a chunked layer, else ``None``.
     scale : float
         Default logit scale (the model's ``scaling`` argument overrides it).
     logits_soft_cap : float or None
@@ -46,6 +50,7 @@ class ModelAttention:
     num_kv_heads: int
     head_dim: int
     layer_windows: Tuple[Optional[int], ...]
+    layer_chunks: Tuple[Optional[int], ...]
     scale: float
     logits_soft_cap: Optional[float]
     vocab_size: int
@@ -88,8 +93,8 @@ def read_model_attention(config):
     ------
     UnsupportedModelError
         An attention pagedkv has no mapping for (a layer type other than
-        ``full_attention`` and ``sliding_attention``: chunked, linear or
-        shared-KV layers), bidirectional attention, heads that GQA cannot group,
+        ``full_attention``, ``sliding_attention`` and ``chunked_attention``:
+        linear or shared-KV layers), bidirectional attention, heads that GQA cannot group,
         or keys and values of different widths (MLA); the message names the
         config field and its value.
     """
@@ -134,12 +139,16 @@ def read_model_attention(config):
     _check_layer_types(getattr(config, "layer_types", None) or ())
     layer_types, layer_kwargs = get_layer_types_and_kwargs(config)
     _check_layer_types(layer_types)
-    windows = []
+    windows, chunks = [], []
     for kind, kwargs in zip(layer_types, layer_kwargs):
-        window = kwargs.get("sliding_window") if kind == "sliding_attention" else None
+        # transformers gives a chunked layer its chunk size as "sliding_window"
+        span = kwargs.get("sliding_window")
         if kind == "sliding_attention":
-            _positive_int(config, "sliding_window", window)
-        windows.append(window)
+            _positive_int(config, "sliding_window", span)
+        elif kind == "chunked_attention":
+            _positive_int(config, "attention_chunk_size", span)
+        windows.append(span if kind == "sliding_attention" else None)
+        chunks.append(span if kind == "chunked_attention" else None)
     if len(windows) != num_layers:
         raise UnsupportedModelError(f"config.layer_types: expected {num_layers} entries "
                                     f"(num_hidden_layers), got {len(windows)}")
@@ -153,6 +162,7 @@ def read_model_attention(config):
     return ModelAttention(
         model_type=model_type, num_layers=num_layers, num_heads=num_heads,
         num_kv_heads=num_kv_heads, head_dim=head_dim, layer_windows=tuple(windows),
+        layer_chunks=tuple(chunks),
         scale=scale, logits_soft_cap=None if cap is None else float(cap),
         vocab_size=int(config.vocab_size),
         max_position=int(getattr(config, "max_position_embeddings", None) or 2**31 - 1))
