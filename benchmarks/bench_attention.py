@@ -9,8 +9,8 @@ reported in GFLOP/s next to this machine's sgemm rate (torch.mm, else numpy).
 
 The variants (float16, the decode case's heads): a windowed decode of 32 x
 8,192 tokens with W=512 against a full decode of 32 x 512; a windowed prefill
-of 4,096 tokens with W=512 against the full causal one; soft cap and sinks
-against the plain decode case.
+of 4,096 tokens with W=512 against the full causal one; soft cap, sinks and
+ALiBi slopes against the plain decode case.
 
 Each backend runs in a process of its own (PoCL's worker threads would
 take CPU from the host backend's timings).
@@ -153,7 +153,7 @@ def prefill_step(cache, s, q, k, **variant):
 
 
 def variant_rows(backend, args, rng):
-    """Windowed decode and prefill, soft cap and sinks, float16, decode-case heads.
+    """Windowed decode and prefill, soft cap, sinks and ALiBi, float16, decode-case heads.
 
     Returns rows of [case, ms, ratio, what the ratio compares to]."""
     B, hkv, hq, d, ps, window = args.num_seqs, 8, 32, 128, 16, args.window
@@ -176,7 +176,8 @@ def variant_rows(backend, args, rng):
     cache, seqs, _, _ = fill_cache(backend, "float16", B, args.seq_len - 1, hkv, d, ps, rng,
                                    keep_contiguous=False)
     for label, variant in (("soft cap 50", {"logits_soft_cap": 50.0}),
-                           ("sinks", {"sinks": rng.standard_normal(hq)})):
+                           ("sinks", {"sinks": rng.standard_normal(hq)}),
+                           ("ALiBi", {"alibi_slopes": 2.0 ** (-8.0 * np.arange(1, hq + 1) / hq)})):
         # plain and variant alternate, best of each over the rounds: the machine's
         # noise then hits both alike
         plain = timed = float("inf")

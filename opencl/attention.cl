@@ -197,6 +197,8 @@ void paged_attention(__global const float* q,              /* [T, num_heads, D] 
                      const float soft_cap,                 /* c of c * tanh(x / c); 0: none */
                      __global const float* sinks,          /* [num_heads] */
                      const int has_sinks,
+                     __global const float* bias_slopes,    /* [num_heads]: pkv_bias's slopes */
+                     const int has_bias,
                      __global float* out,                  /* [T, num_heads, D] */
                      __global float* part_acc,             /* [P, PKV_NQ, D] */
                      __global float* part_max,             /* [P, PKV_NQ] */
@@ -447,6 +449,14 @@ void paged_attention(__global const float* q,              /* [T, num_heads, D] 
                         const pkv_svec x = s[v];
                         s[v] = x == (pkv_svec)(-INFINITY) ? x : pkv_logit_s(x, soft_cap, inverse_cap);
                     }
+                if (has_bias) {   /* the visible logits gain slope * (j - p) */
+                    const float slope = bias_slopes[h * group + qi % group];
+                    const int d0 = (int)((long)c0 - pkv_band_position(band, qi / group));
+                    for (int t = v_lo; t < v_hi; ++t) {
+                        PKV_LOOP();
+                        scores[qi * PKV_CHUNK + t] += pkv_bias(slope, d0 + t);
+                    }
+                }
                 const float m_old = run_max[qi];
                 pkv_svec m_vec = m_old;
                 for (int v = 0; v < n_vec; ++v) {

@@ -4,7 +4,9 @@
  *
  *   band     which key positions a query row sees (pkv_band, pkv_band_lo/hi);
  *   logit    what becomes of a scaled logit x = scale * q.k before the
- *            softmax (pkv_logit: the soft cap);
+ *            softmax (pkv_logit: the soft cap; then pkv_bias: a bias of
+ *            query head h that grows with the distance j - p of the key at
+ *            position j from the query at position p, slope[h] * (j - p));
  *   softmax  one online-softmax update: running max, the factor that
  *            rescales what was accumulated, weights, running sum
  *            (pkv_max_step, pkv_rescale, pkv_weight);
@@ -95,6 +97,15 @@ QUALIFIERS T name(T x, float cap, float inverse_cap) {                          
     return cap > 0.0f ? cap * TANH(x * inverse_cap) : x;                              \
 }
 PKV_DEFINE_LOGIT(PKV_VARIANT_FN, pkv_logit, float, PKV_VARIANT_TANH)
+
+/* After pkv_logit, query head h at position p adds pkv_bias(slope[h], j - p)
+ * to the logit of the key at position j (each kernel takes the per-query-head
+ * slopes, or none: no bias).  The distance is an int (positions are int32,
+ * so j - p fits), made a float only to be multiplied, so that a long context
+ * loses no precision before the product. */
+PKV_VARIANT_FN float pkv_bias(float slope, int distance) {
+    return slope * (float)distance;
+}
 
 /* -- online softmax ------------------------------------------------------------
  * Per query: running max m (-inf before its first visible key) and running

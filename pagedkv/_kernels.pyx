@@ -30,6 +30,7 @@ cdef extern from "pkv_variant.h" nogil:
     pkv_band PKV_ITEM_BAND(const int32_t* item)
     int64_t pkv_band_lo(pkv_band band, int row)
     int64_t pkv_band_hi(pkv_band band, int row)
+    int64_t pkv_band_position(pkv_band band, int row)
     float pkv_part_weight(float part_max, float m)
     float pkv_output_scale(float m, float sum, float sink)
 
@@ -57,8 +58,8 @@ cdef extern from "pkv_simd.h" nogil:
     float pkv_bf16_to_float(uint16_t bits)
     uint16_t pkv_float_to_bf16(float x)
     void pkv_softmax_page(float* s, int ld, int nq, int nq_padded, int nt, pkv_band band,
-                          int64_t first_key, int group, float soft_cap, float* run_max,
-                          float* run_sum, float* alpha)
+                          int64_t first_key, int group, float soft_cap, const float* slopes,
+                          float* run_max, float* run_sum, float* alpha)
 
 cdef extern from "pkv_block.h" nogil:
     enum:
@@ -72,7 +73,8 @@ cdef extern from "pkv_block.h" nogil:
     void pkv_block_scores(const float* qt, int ld, int nqp, const float* const* krows, int nt,
                           int n, float* s, const pkv_block_prefetch* pf)
     void pkv_block_softmax(float* s, int ld, int nqp, int nt, int nq, const int32_t* lo,
-                           const int32_t* hi, float soft_cap, float* run_max, float* run_sum,
+                           const int32_t* hi, float soft_cap, const float* slope,
+                           const int32_t* dist, float* run_max, float* run_sum,
                            float* alpha, float* tmp)
     void pkv_block_accumulate(float* acc, int ld, int nqp, int nq, const float* alpha,
                               const float* p, const float* v, int vs, const int32_t* lo,
@@ -300,9 +302,13 @@ cdef void attend_item(const float[:, :, ::1] q,
                       const float[:, :, ::1] k_scales, const float[:, :, ::1] v_scales,
                       const int32_t[::1] page_indptr, const int32_t[::1] page_indices,
                       const int32_t* item, const AttentionParams* params,
+                      const float* bias_slopes,
                       float* acc, float* run_max, float* run_sum, float* scratch,
                       const void** rows) noexcept nogil:
     """One work item over KV heads ``h0 : h0 + heads_per_item`` (``params``).
+
+    ``bias_slopes`` [num_heads] (NULL: none): query head h's logit of the key
+    at position j gains ``pkv_bias(bias_slopes[h], j - p)`` after the soft cap.
 
     Leaves unnormalised ``acc`` [heads_per_item * nq4, D] and ``run_max``,
     ``run_sum`` [heads_per_item * nq4], head-major, where nq = rows * group
@@ -351,7 +357,7 @@ cdef void attend_item(const float[:, :, ::1] q,
 
     if nq >= PKV_BLOCK_MIN_QUERIES:
         attend_item_blocks(q, k_pool, v_pool, k_scales, v_scales, page_indptr, page_indices,
-                           item, params, acc, run_max, run_sum, scratch, rows)
+                           item, params, bias_slopes, acc, run_max, run_sum, scratch, rows)
         return
 
     for x in range(heads_per_item * nq4):
@@ -401,6 +407,7 @@ cdef void attend_item(const float[:, :, ::1] q,
             # online softmax: logits become weights, zero outside each row's
             # band, and alphas rescale the accumulators
             pkv_softmax_page(scores, ps, nq, nq4, nt, band, first_key, group, soft_cap,
+                             bias_slopes + (h0 + hh) * group if bias_slopes != NULL else NULL,
                              head_max, head_sum, alphas)
             if storage_t is int8_t:
                 row_scales = &v_scales[page, h0 + hh, t0]
@@ -434,9 +441,9 @@ cdef inline Py_ssize_t scratch_floats(int nq_max, int heads_per_item, int D,
     cdef int nq4 = padded_queries(nq_max)
     cdef int nqp = pkv_block_queries(nq_max), ld = pkv_block_stride(nqp)
     cdef Py_ssize_t pages = heads_per_item * nq4 * D + nq4 * (ps + 1)
-    # qt, acc, s (ld floats a row), the softmax's five arrays and lo/hi (nqp
-    # each), the block's K and V rows, and a query row
-    cdef Py_ssize_t blocks = ((2 * D + PKV_BLOCK_KEYS) * ld + 7 * nqp
+    # qt, acc, s (ld floats a row), the softmax's five arrays, lo/hi and the
+    # bias's slope/dist (nqp each), the block's K and V rows, and a query row
+    cdef Py_ssize_t blocks = ((2 * D + PKV_BLOCK_KEYS) * ld + 9 * nqp
                               + 2 * PKV_BLOCK_KEYS * pkv_block_stride(D) + D)
     return max(pages, blocks) if nq_max >= PKV_BLOCK_MIN_QUERIES else pages
 
@@ -473,6 +480,7 @@ cdef void attend_item_blocks(const float[:, :, ::1] q,
                              const float[:, :, ::1] k_scales, const float[:, :, ::1] v_scales,
                              const int32_t[::1] page_indptr, const int32_t[::1] page_indices,
                              const int32_t* item, const AttentionParams* params,
+                             const float* bias_slopes,
                              float* acc, float* run_max, float* run_sum, float* scratch,
                              const void** rows) noexcept nogil:
     """``attend_item`` for items of many queries: keys by blocks of PKV_BLOCK_KEYS.
@@ -507,7 +515,9 @@ cdef void attend_item_blocks(const float[:, :, ::1] q,
     cdef float* tmp = alpha + nqp                     # [2 * nqp]
     cdef int32_t* lo_t = <int32_t*>(tmp + 2 * nqp)    # [nqp] band within the block
     cdef int32_t* hi_t = lo_t + nqp                   # [nqp]
-    cdef float* k_buf = <float*>(hi_t + nqp)          # [PKV_BLOCK_KEYS, ks]
+    cdef float* slope_t = <float*>(hi_t + nqp)        # [nqp] bias slope of each query
+    cdef int32_t* dist_t = <int32_t*>(slope_t + nqp)  # [nqp] block start - query position
+    cdef float* k_buf = <float*>(dist_t + nqp)        # [PKV_BLOCK_KEYS, ks]
     cdef float* v_buf = k_buf + PKV_BLOCK_KEYS * ks   # [PKV_BLOCK_KEYS, ks]
     cdef float* q_row = v_buf + PKV_BLOCK_KEYS * ks   # [D]
     # pool rows to prefetch: this block's values, the next block's keys
@@ -536,6 +546,10 @@ cdef void attend_item_blocks(const float[:, :, ::1] q,
                     qt[d * ld + qi] = 0.0
             m[qi] = -INFINITY
             l[qi] = 0.0
+            slope_t[qi] = 0.0
+            dist_t[qi] = 0
+            if bias_slopes != NULL and qi < nq:
+                slope_t[qi] = bias_slopes[(h0 + hh) * group + qi % group]
         for d in range(D):
             for qi in range(nqp):
                 acc_t[d * ld + qi] = 0.0
@@ -562,12 +576,15 @@ cdef void attend_item_blocks(const float[:, :, ::1] q,
                 for qi in range(x * group, (x + 1) * group):
                     lo_t[qi] = <int32_t>lo
                     hi_t[qi] = <int32_t>hi
+                    dist_t[qi] = <int32_t>(blk0 - pkv_band_position(band, x))
             for qi in range(nq, nqp):
                 lo_t[qi] = 0
                 hi_t[qi] = 0
             pkv_block_scores(qt, ld, nqp, krows, nt, D, s, &during_scores)
             block_rows(v_pool, v_scales, pages, h0 + hh, blk0, nt, NULL, v_buf, NULL)
-            pkv_block_softmax(s, ld, nqp, nt, nq, lo_t, hi_t, soft_cap, m, l, alpha, tmp)
+            pkv_block_softmax(s, ld, nqp, nt, nq, lo_t, hi_t, soft_cap,
+                              slope_t if bias_slopes != NULL else NULL, dist_t, m, l, alpha,
+                              tmp)
             pkv_block_accumulate(acc_t, ld, nqp, nq, alpha, s, v_buf, ks, lo_t, hi_t, nt, D,
                                  &during_sum)
             blk0 = blk0 + nt
@@ -583,7 +600,8 @@ def paged_attention(const float[:, :, ::1] q,
                     const float[:, :, ::1] k_scales, const float[:, :, ::1] v_scales,
                     const int32_t[::1] page_indptr, const int32_t[::1] page_indices,
                     const int32_t[:, ::1] items, const int32_t[::1] item_offsets,
-                    const float[::1] sinks, float[:, :, ::1] out, AttentionParams params):
+                    const float[::1] sinks, float[:, :, ::1] out, AttentionParams params,
+                    const float[::1] bias_slopes=None):
     """Paged attention of a ragged batch over planned work items; see ``pagedkv.backends.host``.
 
     Parameters
@@ -602,6 +620,10 @@ def paged_attention(const float[:, :, ::1] q,
         (more than one when its key range is split).
     sinks : float32 [num_heads] or None
     out : float32 [T, num_heads, D]
+    bias_slopes : float32 [num_heads] or None
+        Per query head, the slope of ``pkv_bias`` (``opencl/pkv_variant.h``):
+        the logit of the key at position j for the query at position p gains
+        ``bias_slopes[h] * (j - p)`` after the soft cap.  None: no bias.
     params : dict
         The fields of ``AttentionParams`` (above), each by name: the
         variant's scalars (``scale``, ``soft_cap``), the int8 rotation
@@ -637,6 +659,7 @@ def paged_attention(const float[:, :, ::1] q,
     rows_buf = np.empty((num_threads, 4 * PKV_BLOCK_KEYS), dtype=np.intp)
     cdef Py_ssize_t[:, ::1] rows = rows_buf
     cdef const float* sink_ptr = &sinks[0] if sinks is not None else NULL
+    cdef const float* slopes_ptr = &bias_slopes[0] if bias_slopes is not None else NULL
     cdef Py_ssize_t slot, i
     with nogil:
         # last items first: those of a causal prefill's later rows, which see
@@ -647,7 +670,7 @@ def paged_attention(const float[:, :, ::1] q,
             if slot < 0:
                 slot = num_parts + threadid()
             attend_item(q, k_pool, v_pool, k_scales, v_scales, page_indptr, page_indices,
-                        &items[w, 0], &params, &acc[slot, 0, 0], &run_max[slot, 0],
+                        &items[w, 0], &params, slopes_ptr, &acc[slot, 0, 0], &run_max[slot, 0],
                         &run_sum[slot, 0], &scratch[threadid(), 0],
                         <const void**>&rows[threadid(), 0])
             if items[w, PKV_W_PART] < 0:

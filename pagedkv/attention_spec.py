@@ -1,9 +1,9 @@
-"""What one attention call computes besides its inputs: scale, window, soft cap, sinks.
+"""What one attention call computes besides its inputs: scale, window, soft cap, sinks, ALiBi.
 
 :class:`AttentionSpec` is validated once, by the facade, and travels down to
 the backends as one object: the planner turns its :class:`Band`
 (``sliding_window``, ``attention_chunk_size``) into each work item's visible key band, and the kernels
-apply ``scale``, ``logits_soft_cap`` and ``sinks``.  A new variant is a field
+apply ``scale``, ``logits_soft_cap``, ``alibi_slopes`` and ``sinks``.  A new variant is a field
 here, its check in :meth:`AttentionSpec.from_arguments`, and its use in the
 variant contract of the kernels (``opencl/pkv_variant.h``) or the planner.
 """
@@ -48,6 +48,11 @@ def _positive_float32(name, value):
     return float(single)
 
 
+def _as_given(name, value):
+    """``value`` unchanged (``np.asarray`` converts it later)."""
+    return value
+
+
 @dataclass(frozen=True)
 class Band:
     """Which key positions the token at position ``p`` sees, besides ``j <= p``.
@@ -78,6 +83,8 @@ class AttentionSpec:
       ``j <= p`` when ``sliding_window`` is None), and with
       ``attention_chunk_size = C`` only those from ``C * floor(p / C)`` on;
     * ``logits_soft_cap = c``: ``x_j`` becomes ``c * tanh(x_j / c)``;
+    * ``alibi_slopes``: then ``x_j`` gains ``alibi_slopes[h] * (j - p)`` (ALiBi;
+      ``j - p`` an integer, made a float only to be multiplied);
     * ``sinks``: the softmax denominator gains ``exp(sinks[h])`` (not scaled,
       nothing added to the numerator), i.e.
       ``out = sum_j exp(x_j) v_j / (sum_j exp(x_j) + exp(sinks[h]))``.
@@ -92,17 +99,20 @@ class AttentionSpec:
     sinks : ndarray, shape [num_heads], float32, read-only, or None
     attention_chunk_size : int or None
         ``C``: Llama 4's ``attention_chunk_size`` (vLLM's chunked local attention).
+    alibi_slopes : ndarray, shape [num_heads], float32, read-only, or None
+        ALiBi's slope of each query head (vLLM's and FlashInfer's ``alibi_slopes``).
     """
     scale: float
     sliding_window: Optional[int] = None
     logits_soft_cap: Optional[float] = None
     sinks: Optional[np.ndarray] = None
     attention_chunk_size: Optional[int] = None
+    alibi_slopes: Optional[np.ndarray] = None
 
     @classmethod
     def from_arguments(cls, *, head_dim, num_heads, scale=None, sliding_window=None,
                        logits_soft_cap=None, sinks=None, attention_chunk_size=None,
-                       as_numpy=np.asarray):
+                       alibi_slopes=None, as_numpy=None):
         """Validate the variant arguments of ``PagedKVCache.attention``.
 
         Parameters
@@ -114,15 +124,17 @@ class AttentionSpec:
         logits_soft_cap : float > 0, optional
         sinks : array-like, shape [num_heads], optional
         attention_chunk_size : int >= 1, optional
+        alibi_slopes : array-like, shape [num_heads], optional
         as_numpy : callable
-            Turns ``sinks`` into an ndarray (the facade passes its converter
-            for torch tensors and other array types).
+            ``as_numpy(name, value)`` turns ``sinks`` or ``alibi_slopes`` into
+            an ndarray (the facade passes its converter for torch tensors and
+            other array types); None: ``np.asarray``.
 
         Raises
         ------
         ValueError
-            A value out of range or not finite, or ``sinks`` of another shape;
-            the message names the argument.
+            A value out of range or not finite, or ``sinks`` or
+            ``alibi_slopes`` of another shape; the message names the argument.
         """
         scale = 1.0 / math.sqrt(head_dim) if scale is None else _positive_float32("scale", scale)
         if sliding_window is not None:
@@ -131,24 +143,30 @@ class AttentionSpec:
             attention_chunk_size = _positive_int("attention_chunk_size", attention_chunk_size)
         if logits_soft_cap is not None:
             logits_soft_cap = _positive_float32("logits_soft_cap", logits_soft_cap)
+        as_numpy = as_numpy or _as_given
         if sinks is not None:
-            sinks = cls._check_sinks(as_numpy(sinks), num_heads)
-        return cls(scale, sliding_window, logits_soft_cap, sinks, attention_chunk_size)
+            sinks = cls._check_per_head("sinks", as_numpy("sinks", sinks), num_heads)
+        if alibi_slopes is not None:
+            alibi_slopes = cls._check_per_head("alibi_slopes",
+                                               as_numpy("alibi_slopes", alibi_slopes), num_heads)
+        return cls(scale, sliding_window, logits_soft_cap, sinks, attention_chunk_size,
+                   alibi_slopes)
 
     @staticmethod
-    def _check_sinks(values, num_heads):
+    def _check_per_head(name, values, num_heads):
+        """``values`` [num_heads] as read-only float32, or ValueError naming ``name``."""
         values = np.asarray(values)
         if values.shape != (num_heads,):
-            raise ValueError(f"sinks: expected shape [{num_heads}] (one per query head), "
+            raise ValueError(f"{name}: expected shape [{num_heads}] (one per query head), "
                              f"got {list(values.shape)}")
         if values.dtype.kind not in "iu" and values.dtype not in FLOAT_DTYPES:
-            raise ArgumentTypeError(f"sinks: expected float16, float32, float64 or int values, "
+            raise ArgumentTypeError(f"{name}: expected float16, float32, float64 or int values, "
                                     f"got dtype {values.dtype}")
         with np.errstate(over="ignore", invalid="ignore"):
             single = values.astype(np.float32)
         if not np.isfinite(single).all():
             bad = values[~np.isfinite(single)][0]
-            raise ValueError(f"sinks: expected finite float32 values, got {bad!r}")
+            raise ValueError(f"{name}: expected finite float32 values, got {bad!r}")
         single.setflags(write=False)
         return single
 
@@ -164,4 +182,4 @@ class AttentionSpec:
         if window is None or (self.sliding_window is not None and self.sliding_window <= window):
             return self
         return AttentionSpec(self.scale, window, self.logits_soft_cap, self.sinks,
-                             self.attention_chunk_size)
+                             self.attention_chunk_size, self.alibi_slopes)

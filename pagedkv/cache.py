@@ -522,12 +522,14 @@ class PagedKVCache:
     def attention(self, layer: int, batch: StepBatch, q: Any, *, scale: Optional[float] = None,
                   sliding_window: Optional[int] = None,
                   logits_soft_cap: Optional[float] = None, sinks: Any = None,
-                  attention_chunk_size: Optional[int] = None) -> Any:
+                  attention_chunk_size: Optional[int] = None,
+                  alibi_slopes: Any = None) -> Any:
         """Attention of the step's new tokens over their sequences' stored K/V.
 
         For query head ``h`` of the new token at position ``p`` (new token
         ``i`` of sequence ``b`` sits at ``p = seq_lens[b] - n_b + i``), with
-        logits ``x_j = scale * q . k_j`` over its visible positions ``j``::
+        logits ``x_j = scale * q . k_j`` (then capped, then ALiBi's bias added)
+        over its visible positions ``j``::
 
             out = sum_j exp(x_j) v_j / (sum_j exp(x_j) + exp(sinks[h]))
 
@@ -558,6 +560,11 @@ class PagedKVCache:
             its chunk up to itself (Llama 4's ``attention_chunk_size``; vLLM's
             chunked local attention); with ``sliding_window`` too, the
             positions both allow.  Pages no query of the step sees are not read.
+        alibi_slopes : array-like, shape [num_heads], float, optional
+            ALiBi (vLLM's and FlashInfer's ``alibi_slopes``): the logit of query
+            head ``h`` at position ``p`` for the key at position ``j`` gains
+            ``alibi_slopes[h] * (j - p)`` after ``scale`` and the soft cap
+            (``j - p`` an integer, made a float only to be multiplied).
 
         Returns
         -------
@@ -571,8 +578,8 @@ class PagedKVCache:
             A bad shape, a layer not stored this step, or a variant argument
             out of range (``sliding_window < 1``, ``attention_chunk_size < 1``,
             ``logits_soft_cap <= 0``, a
-            scale or cap not finite in float32, ``sinks`` of another shape or
-            not finite); the message names the argument.  Nothing changes.
+            scale or cap not finite in float32, ``sinks`` or ``alibi_slopes``
+            of another shape or not finite); the message names the argument.  Nothing changes.
         """
         layer = self._check_step(layer, batch)
         as_torch = is_torch_tensor(q)
@@ -585,8 +592,8 @@ class PagedKVCache:
         spec = AttentionSpec.from_arguments(
             head_dim=self.head_dim, num_heads=num_heads, scale=scale,
             sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, sinks=sinks,
-            attention_chunk_size=attention_chunk_size,
-            as_numpy=lambda x: array_or_as_given("sinks", x))
+            attention_chunk_size=attention_chunk_size, alibi_slopes=alibi_slopes,
+            as_numpy=array_or_as_given)
         pool = self._layer_pool[layer]
         spec = pool.layer_spec(layer, spec, self.layer_windows[layer])
         tables = pool.step_tables(batch)

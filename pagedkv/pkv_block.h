@@ -348,20 +348,31 @@ PKV_NOINLINE void pkv_block_accumulate(float *acc, int ld, int nqp, int nq, cons
  *
  * s[t * ld + q], t < nt: the block's logits in, the weights out.  Query q
  * sees the keys t in [lo[q], hi[q]) (0 <= lo <= hi <= nt; lo = hi = 0 for a
- * padding query); soft_cap > 0 caps the logits first.  Weights of keys a
+ * padding query); soft_cap > 0 caps the logits first; then, with slope
+ * (NULL: none), key t's logit for query q gains pkv_bias(slope[q], dist[q] +
+ * t): dist[q] is the block's first key position minus q's position (slope
+ * and dist 0 for a padding query).  Weights of keys a
  * query does not see are zero.  run_max, run_sum [nqp]: the running max and
  * sum; alpha [nqp] receives pkv_rescale, the factor that rescales query q's
  * accumulator.  tmp: 2 * nqp floats.  The loops run along queries, in
  * vectors. */
 static void pkv_block_softmax(float *restrict s, int ld, int nqp, int nt, int nq,
                               const int32_t *restrict lo, const int32_t *restrict hi,
-                              float soft_cap, float *restrict run_max, float *restrict run_sum,
-                              float *restrict alpha, float *restrict tmp) {
+                              float soft_cap, const float *restrict slope,
+                              const int32_t *restrict dist, float *restrict run_max,
+                              float *restrict run_sum, float *restrict alpha,
+                              float *restrict tmp) {
     float *restrict m = tmp, *restrict sum = tmp + nqp;
     int banded = 0;
     for (int q = 0; q < nq; q++) banded |= lo[q] != 0 || hi[q] != nt;
     if (soft_cap > 0.0f)
         for (int t = 0; t < nt; t++) pkv_logits(s + (long)t * ld, nqp, soft_cap);
+    if (slope)
+        for (int t = 0; t < nt; t++) {
+            float *row = s + (long)t * ld;
+            #pragma omp simd
+            for (int q = 0; q < nqp; q++) row[q] += pkv_bias(slope[q], dist[q] + t);
+        }
     for (int q = 0; q < nqp; q++) {
         m[q] = run_max[q];
         sum[q] = 0.0f;

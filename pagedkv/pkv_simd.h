@@ -456,15 +456,18 @@ static inline void pkv_logits(float *restrict s, int n, float cap) {
  * s[qi * ld + t], t < nt: the logits of the keys at positions first_key + t
  * in, the weights out.  Query qi < nq (row qi / group of the item whose band
  * is `band`) sees the keys of its band (pkv_band_lo/hi) within the page;
- * padding queries qi >= nq see none.  soft_cap > 0 caps the logits first.
+ * padding queries qi >= nq see none.  soft_cap > 0 caps the logits first;
+ * then, with slopes (the slopes of the group's query heads, slopes[qi %
+ * group]; NULL: none), the visible logits gain pkv_bias(slope, j - p).
  * Weights of keys a query does not see are zero, so that queries can share
  * one accumulation.  run_max and run_sum [nq_padded] are the running max and
  * sum; alpha[qi] receives pkv_rescale, the factor that rescales query qi's
  * accumulator. */
 static inline void pkv_softmax_page(float *restrict s, int ld, int nq, int nq_padded, int nt,
                                     pkv_band band, int64_t first_key, int group,
-                                    float soft_cap, float *restrict run_max,
-                                    float *restrict run_sum, float *restrict alpha) {
+                                    float soft_cap, const float *restrict slopes,
+                                    float *restrict run_max, float *restrict run_sum,
+                                    float *restrict alpha) {
     /* A full page's rows are contiguous: capping all of them in one loop
      * costs less than a short loop per query's band (keys outside the band
      * are zeroed below either way). */
@@ -493,6 +496,13 @@ static inline void pkv_softmax_page(float *restrict s, int ld, int nq, int nq_pa
             const int n = (int)(hi - lo);
             float *visible = row + lo;
             if (soft_cap > 0.0f && !cap_rows) pkv_logits(visible, n, soft_cap);
+            if (slopes) {
+                const float slope = slopes[qi % group];
+                /* visible[t] is the key at first_key + lo + t */
+                const int d0 = (int)(first_key + lo - pkv_band_position(band, qi / group));
+                #pragma omp simd
+                for (int t = 0; t < n; t++) visible[t] += pkv_bias(slope, d0 + t);
+            }
             float m = run_max[qi];
             #pragma omp simd reduction(max:m)
             for (int t = 0; t < n; t++) m = pkv_max_step(m, visible[t], 1);

@@ -137,7 +137,7 @@ class HostBackend(Backend):
             q=q, k_pool=self._k[layer], v_pool=self._v[layer], k_scales=self._k_scales[layer],
             v_scales=self._v_scales[layer], page_indptr=tables.page_indptr,
             page_indices=tables.page_indices, items=plan.items, item_offsets=plan.item_offsets,
-            sinks=spec.sinks, out=out, params=params)
+            sinks=spec.sinks, out=out, params=params, bias_slopes=spec.alibi_slopes)
         return out
 
     def _plan(self, tables, num_heads, band):

@@ -535,6 +535,8 @@ class OpenCLBackend(Backend):
                                         self._work_buffer("part_max", parts),
                                         self._work_buffer("part_sum", parts))
         sinks = self._placeholder if spec.sinks is None else self._upload(spec.sinks)
+        slopes = (self._placeholder if spec.alibi_slopes is None
+                  else self._upload(spec.alibi_slopes))
         wg = self.layout.work_group_size
         k_scales, v_scales = self._scales(layer)
         store = self._fused_store_args(fused)
@@ -554,7 +556,7 @@ class OpenCLBackend(Backend):
             num_groups=plan.num_groups, sub_groups=plan.sub_groups, page_size=self.page_size,
             num_pages=self.layer_pages[layer], nnz=len(tables.page_indices), scale=spec.scale,
             soft_cap=spec.logits_soft_cap or 0.0, sinks=sinks, has_sinks=spec.sinks is not None,
-            out=out_d, part_acc=part_acc, part_max=part_max, part_sum=part_sum,
+            bias_slopes=slopes, has_bias=spec.alibi_slopes is not None, out=out_d, part_acc=part_acc, part_max=part_max, part_sum=part_sum,
             loop_counts=loop_counts)]
         if fused is not None:    # the store is launched: no longer owed
             self._pending = None
