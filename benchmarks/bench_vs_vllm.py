@@ -21,8 +21,9 @@ and bfloat16):
   window   the GQA decode with a sliding window of 512 (vLLM's
            ``sliding_window_size``): bytes of the window read;
   prefill  one causal sequence of 2,048 tokens, GQA and MHA: GFLOP/s.
-Until pagedkv stores bfloat16, the bfloat16 cases give pagedkv the same
-values in float16 storage (labelled "fp16 for bf16").
+pagedkv stores bfloat16 itself where it can (``dtype="bfloat16"``, since
+2026-12-02); a pagedkv without it gets the same values in float16 storage
+(the case's label then says "pagedkv: float16").
 
 Timing: in every round each side is timed (best of ``--repeat`` calls), in
 alternating order, and the stream read measured; the table gives the
