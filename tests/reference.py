@@ -299,3 +299,28 @@ class Harness:
                 k, v = self.cache.gather(layer, s, start)
                 np.testing.assert_array_equal(k, self.ref.k[s][layer][start:])
                 np.testing.assert_array_equal(v, self.ref.v[s][layer][start:])
+
+
+# -- scenarios that every storage format runs through a Harness -----------------------------
+def fork_divergence_steps(h):
+    """A fork of a partly filled page, then writes into it from both sides: one copies it
+    first (and its scales, for int8); both keep their own contents."""
+    a = h.add()
+    h.step([a], 10)                        # last page partly filled: shared by the fork
+    b = h.fork(a)
+    h.step([a, b], [2, 3])
+    h.step([a, b], 1)
+    h.check_contents()
+
+
+def rollback_steps(h):
+    """Checkpoint, grow, restore, grow, truncate, grow: the contents follow each rollback."""
+    s = h.add()
+    h.step([s], 12)
+    ck = h.cache.checkpoint(s)
+    h.step([s], 5)
+    h.restore(ck)
+    h.step([s], 2)
+    h.truncate(s, 3)
+    h.step([s], 4)
+    h.check_contents()

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 import pagedkv
-from reference import TOLERANCE, Harness, dense_attention, round_to_bfloat16
+from reference import (TOLERANCE, Harness, dense_attention, fork_divergence_steps,
+                       rollback_steps, round_to_bfloat16)
 
 TIGHT = TOLERANCE["float32"]   # attention against the reference over the stored values
 
@@ -207,26 +208,11 @@ def test_split_k_long_context(backend):
 
 
 def test_fork_copy_on_write(backend):
-    h = make(backend)
-    a = h.add()
-    h.step([a], 10)                        # last page partly filled: shared by the fork
-    b = h.fork(a)
-    h.step([a, b], [2, 3])                 # both write into it: one copies it first
-    h.step([a, b], 1)
-    h.check_contents()
+    fork_divergence_steps(make(backend))
 
 
 def test_truncate_and_restore(backend):
-    h = make(backend)
-    s = h.add()
-    h.step([s], 12)
-    ck = h.cache.checkpoint(s)
-    h.step([s], 5)
-    h.restore(ck)
-    h.step([s], 2)
-    h.truncate(s, 3)
-    h.step([s], 4)
-    h.check_contents()
+    rollback_steps(make(backend))
 
 
 def test_prefix_caching(backend):

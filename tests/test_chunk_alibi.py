@@ -6,6 +6,7 @@ import pytest
 
 import pagedkv
 from reference import TOLERANCE, Harness, dense_attention, round_to_storage
+from test_attention_variants import prefill_decode_chunk
 from test_int8 import Int8Harness
 
 NUM_HEADS = 8            # query heads of the default cache: 2 KV heads, GQA group 4
@@ -37,7 +38,7 @@ def sinks_for(num_heads, seed=0):
 
 def variants(num_heads):
     """Chunks and ALiBi alone and with the other variants, for a cache of page size 7
-    (the steps of :func:`ragged_steps` cross chunk and page boundaries)."""
+    (the steps of :func:`prefill_decode_chunk` cross chunk and page boundaries)."""
     return {
         "chunk_below_window": dict(attention_chunk_size=10, sliding_window=25),
         "window_below_chunk": dict(attention_chunk_size=25, sliding_window=10),
@@ -59,17 +60,6 @@ def variants(num_heads):
 
 
 VARIANT_NAMES = sorted(variants(1))
-
-
-def ragged_steps(h, **variant):
-    """Ragged prefill across page boundaries, decode steps, then a chunk next to a decode."""
-    ps = h.cache.page_size
-    seqs = [h.add() for _ in range(3)]
-    h.step(seqs, [2 * ps + 3, ps + 1, 5], **variant)
-    for _ in range(2):
-        h.step(seqs, 1, **variant)
-    h.step(seqs, [ps + 2, 1, 0], **variant)
-    h.check_contents()
 
 
 def chunk_steps(h, chunk, **variant):
@@ -105,7 +95,7 @@ def test_chunks_and_alibi_with_gqa(backend, group):
 @pytest.mark.parametrize("dtype", ["float32", "float16", "int8"])
 def test_variants_over_storage_dtypes(backend, dtype, name):
     h = make(backend, dtype=dtype, page_size=7)
-    ragged_steps(h, **variants(NUM_HEADS)[name])
+    prefill_decode_chunk(h, **variants(NUM_HEADS)[name])
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "int8"])

@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 
 import pagedkv
-from reference import TOLERANCE, Harness, ReferenceCache
+from reference import (TOLERANCE, Harness, ReferenceCache, fork_divergence_steps,
+                       rollback_steps)
 
 # Attention over gather's rows (the values int8 keeps): float32 rounding only.
 TIGHT = TOLERANCE["float32"]
@@ -145,26 +146,11 @@ def test_variants_with_int8(backend):
 
 
 def test_fork_copy_on_write_carries_the_scales(backend):
-    h = make(backend)
-    a = h.add()
-    h.step([a], 10)                        # last page partly filled: shared by the fork
-    b = h.fork(a)
-    h.step([a, b], [2, 3])                 # both write into it: one copies it, scales too
-    h.step([a, b], 1)
-    h.check_contents()
+    fork_divergence_steps(make(backend))
 
 
 def test_truncate_restore_and_prefix_hits(backend):
-    h = make(backend)
-    s = h.add()
-    h.step([s], 12)
-    ck = h.cache.checkpoint(s)
-    h.step([s], 5)
-    h.restore(ck)
-    h.step([s], 2)
-    h.truncate(s, 3)
-    h.step([s], 4)
-    h.check_contents()
+    rollback_steps(make(backend))
     cache = pagedkv.PagedKVCache(1, 2, 32, num_pages=32, page_size=4, dtype="int8",
                                  backend=backend, enable_prefix_caching=True)
     rng = np.random.default_rng(4)
