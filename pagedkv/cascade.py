@@ -23,7 +23,6 @@ query rows each (decode, speculative or beam steps), enough sharers and a
 shared run long enough; measured per backend (docs/cascade.md).
 """
 from dataclasses import dataclass, replace
-from typing import Optional
 
 import numpy as np
 
@@ -159,7 +158,7 @@ def find_groups(tables, page_size, band, policy):
     # each sequence's last shared page: a group's members end their common run there
     entry = np.flatnonzero(shared)
     last = np.full(len(seq_lens), -1, dtype=np.int64)
-    last[entry_seq[entry]] = entry        # later entries of a sequence overwrite earlier ones
+    np.maximum.at(last, entry_seq[entry], entry)
     has = last >= 0
     seqs = np.flatnonzero(has)
     last_page = pages[last[seqs]]
@@ -222,7 +221,7 @@ def plan_cascade(tables, page_size, band, policy, prepare_step):
         return None
     query_start = tables.query_start.astype(np.int64)
     indptr = tables.page_indptr
-    rows, shared_starts, shared_lens, shared_pages, shared_indptr = [], [0], [], [], [0]
+    row_lists, shared_starts, shared_lens, shared_pages, shared_indptr = [], [0], [], [], [0]
     shift = []
     skip_lo = np.zeros(len(tables.seq_lens), dtype=np.int64)
     skip_hi = np.zeros(len(tables.seq_lens), dtype=np.int64)
@@ -236,7 +235,7 @@ def plan_cascade(tables, page_size, band, policy, prepare_step):
         n = len(group_rows)
         # the pseudo-sequence's rows sit at hi - 1 .. hi + n - 2: each sees all of lo:hi
         shift.append(np.arange(hi - 1, hi - 1 + n) - positions)
-        rows.append(group_rows)
+        row_lists.append(group_rows)
         shared_starts.append(shared_starts[-1] + n)
         shared_lens.append(hi + n - 1)
         rep = members[0]
@@ -246,7 +245,7 @@ def plan_cascade(tables, page_size, band, policy, prepare_step):
         keep_hi.append(hi)
         skip_lo[members] = lo
         skip_hi[members] = hi
-    rows = np.concatenate(rows)
+    rows = np.concatenate(row_lists)
     shared = StepTables(
         np.asarray(shared_starts, dtype=np.int32), np.asarray(shared_lens, dtype=np.int32),
         tables.slot_mapping[rows], np.asarray(shared_indptr, dtype=np.int32),
