@@ -21,7 +21,7 @@ class Twin:
         self.h = make(backend, dtype=dtype, **kwargs)
         self.off = make(backend, dtype=dtype, cascade="off", **kwargs).cache
         self.cache = self.h.cache
-        self.used = []           # per step: whether some layer read a shared run once
+        self.used = []           # per step: whether each layer read a shared run once
 
     def add(self, token_ids=None):
         s = self.h.add() if token_ids is None else self._add_cached(token_ids)
@@ -44,7 +44,7 @@ class Twin:
         batch = c.append(seq_ids, counts, token_ids=token_ids)
         other = self.off.append(seq_ids, counts, token_ids=token_ids)
         assert other.sharing == pagedkv.cascade.Sharing()
-        total, used = sum(counts), False
+        total, used = sum(counts), []
         for layer in range(c.num_layers):
             k = h.random(total, c.num_kv_heads, c.head_dim)
             v = h.random(total, c.num_kv_heads, c.head_dim)
@@ -59,9 +59,9 @@ class Twin:
                                        **ROUNDING)
             h.compare(layer, seq_ids, counts, q, out, h.layer_variant(layer, variant))
             tables = c._layer_pool[layer].step_tables(batch)
-            used |= any(plan is not None for key, plan in tables._plans.items()
-                        if key[0] == "cascade")
-        self.used.append(used)
+            used.append(any(plan is not None for key, plan in tables._plans.items()
+                            if key[0] == "cascade"))
+        self.used.append(tuple(used) if len(used) > 1 else any(used))
         return batch
 
 
@@ -160,7 +160,7 @@ def test_both_pools(backend):
     t = Twin(backend, num_layers=2, layer_windows=[None, 400])
     root, kids = forked_family(t, prefix=600, suffixes=(0, 3, 12))
     batch = t.step(kids + [root], 1)
-    assert t.used[-1]
+    assert t.used[-1] == (True, True)        # the window pool's shared pages too
     assert batch.sharing.num_groups == 1     # the full pool's sharing
 
 
