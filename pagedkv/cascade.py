@@ -177,26 +177,34 @@ def find_groups(tables, page_size, band, policy):
     if band is not None and band.chunk_size is not None:
         lo_key = np.maximum(lo_key, last_pos // band.chunk_size * band.chunk_size)
 
-    groups = []
-    for start, size in zip(starts, sizes):
-        if size < policy.min_sharers:
-            continue
-        members = seqs[start:start + size]
-        end = int(last_index[start]) + 1         # one past the run's last page index
-        rep = members[0]
-        # the run backwards from `end`: pages equal to the representative's
-        back = np.arange(end - 1, -1, -1)
-        mine = pages[indptr[members[1:], None] + back[None, :]]
-        theirs = pages[indptr[rep] + back]
-        differs = (mine != theirs[None, :]) | (theirs[None, :] < 0)
-        run = _first_index(differs.ravel(), np.arange(len(members) - 1) * end,
-                           np.arange(1, len(members)) * end)
-        begin = end - int(run.min())
-        lo = max(begin * page_size, int(lo_key[members].max()))
-        hi = min(end * page_size, int(first_pos[members].min()) + 1)
-        if hi - lo >= policy.min_shared_keys:
-            groups.append((members, lo, hi))
-    return groups
+    big = sizes >= max(policy.min_sharers, 2)
+    starts, sizes = starts[big], sizes[big]
+    if not len(starts):
+        return []
+    # every member (sorted by group; the first of each is its representative)
+    member_group = np.repeat(np.arange(len(starts)), sizes)
+    members = seqs[np.repeat(starts, sizes) + np.arange(len(member_group))
+                   - np.repeat(np.cumsum(sizes) - sizes, sizes)]
+    ends = last_index[starts] + 1               # one past each run's last page index
+    reps = seqs[starts]
+    # each member's run backwards from its group's end: pages equal to the representative's
+    others = np.ones(len(members), dtype=bool)
+    others[np.cumsum(sizes) - sizes] = False
+    other_group = member_group[others]
+    lengths = ends[other_group]
+    offsets = np.cumsum(lengths) - lengths
+    back = np.repeat(lengths - 1, lengths) - (np.arange(lengths.sum()) - np.repeat(offsets, lengths))
+    mine = pages[np.repeat(indptr[members[others]], lengths) + back]
+    theirs = pages[np.repeat(indptr[reps[other_group]], lengths) + back]
+    run = _first_index((mine != theirs) | (theirs < 0), offsets, offsets + lengths)
+    group_firsts = np.cumsum(sizes - 1) - (sizes - 1)
+    begin = ends - np.minimum.reduceat(run, group_firsts)
+    first_of = np.cumsum(sizes) - sizes
+    lo = np.maximum(begin * page_size, np.maximum.reduceat(lo_key[members], first_of))
+    hi = np.minimum(ends * page_size, np.minimum.reduceat(first_pos[members], first_of) + 1)
+    keep = hi - lo >= policy.min_shared_keys
+    return [(members[first_of[g]:first_of[g] + sizes[g]], int(lo[g]), int(hi[g]))
+            for g in np.flatnonzero(keep)]
 
 
 def sharing(tables, page_size, band, policy):

@@ -110,6 +110,17 @@ def test_several_groups_and_a_long_prefix(backend):
     assert t.used[-1] and batch.sharing.num_groups == 2
 
 
+def test_many_small_groups(backend):
+    # pairs (beams) of prefixes of different lengths, interleaved in the batch
+    t = Twin(backend, num_pages=600)
+    pairs = [forked_family(t, prefix=p, suffixes=(s,)) for p, s in
+             ((300, 0), (512, 5), (700, 16), (260, 2), (999, 0))]
+    order = [s for root, kids in pairs for s in (kids[0], root)]
+    order = order[1::2] + order[::2]
+    batch = t.step(order, 1)
+    assert t.used[-1] and batch.sharing.num_groups == 5
+
+
 def test_prefix_cache_hits(backend):
     t = Twin(backend, enable_prefix_caching=True)
     prompt = list(range(1000, 1000 + 400))
