@@ -30,7 +30,7 @@ from _common import StreamRead, backends_parser, best_seconds, fmt_table, run_ea
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
 OWN = 64
 #: every group of two or more reads its run once: for the crossover table
-ALWAYS = CascadePolicy(min_sharers=2, min_shared_keys=1)
+ALWAYS = CascadePolicy(min_saved_bytes=0, min_shared_keys=1)
 
 
 def forked(backend, cascade, prefix, sharers, own=OWN, policy=None):
@@ -40,7 +40,7 @@ def forked(backend, cascade, prefix, sharers, own=OWN, policy=None):
     cache = pagedkv.PagedKVCache(1, NUM_KV_HEADS, HEAD_DIM, num_pages=pages, page_size=PAGE,
                                  backend=backend, cascade=cascade)
     if policy is not None:
-        cache._attend.policy = policy       # measurement only: force the choice
+        cache._backend.cascade_policy = policy     # measurement only: force the choice
     rng = np.random.default_rng(0)
     root = cache.add_sequence()
     kv = rng.standard_normal((prefix, NUM_KV_HEADS, HEAD_DIM), dtype=np.float32)

@@ -203,8 +203,7 @@ class PagedKVCache:
             num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, layer_pages=layer_pages,
             page_size=self.page_size, storage=self.storage, device=device,
             options=backend_options)
-        self._attend = CascadeAttention(
-            self._backend, self._backend.cascade_policy if self.cascade == "auto" else None)
+        self._attend = CascadeAttention(self._backend, enabled=self.cascade == "auto")
         self.prefix_caching = enable_prefix_caching
         allocators = [PageAllocator(pool.num_pages, self.page_size, enable_prefix_caching)
                       for pool in pools]

@@ -19,8 +19,9 @@ bias, which depends on the position only through a constant per query, is
 corrected in the merge.
 
 Only where it pays (:class:`CascadePolicy`): groups of sequences with few
-query rows each (decode, speculative or beam steps), enough sharers and a
-shared run long enough; measured per backend (docs/cascade.md).
+query rows each (decode, speculative or beam steps) whose sharing saves
+enough bytes of K/V reads per layer to cover the second call and the merge;
+measured per backend (docs/cascade.md).
 """
 from dataclasses import dataclass, replace
 
@@ -47,16 +48,19 @@ class CascadePolicy:
 
     Attributes
     ----------
-    min_sharers : int
-        Fewest sequences of a group.
+    min_saved_bytes : int
+        Fewest bytes of K/V reads per layer the group's sharing must save:
+        ``(sharers - 1) * shared keys * key_bytes`` (``key_bytes``: a
+        position's K and V over every KV head, scales included), which must
+        pay for a second kernel call, the gather of the queries and the merge.
     min_shared_keys : int
         Fewest shared keys every query of the group sees.
     max_rows : int
         Most query rows a sequence of a group may have in the step: the
         block path already reads a sequence's keys once for many rows.
     """
-    min_sharers: int = 2
-    min_shared_keys: int = 256
+    min_saved_bytes: int = 0
+    min_shared_keys: int = 1
     max_rows: int = 8
 
 
@@ -122,7 +126,12 @@ def _first_index(flags, starts, ends):
     return np.where(first < 0, lengths, first)
 
 
-def find_groups(tables, page_size, band, policy):
+def key_bytes(storage, num_kv_heads, head_dim):
+    """Bytes of one position's K and V in one layer (every KV head, scales included)."""
+    return 2 * num_kv_heads * storage.row_bytes(head_dim)
+
+
+def find_groups(tables, page_size, band, policy, bytes_per_key):
     """The groups of a step's sequences that read shared keys once.
 
     Parameters
@@ -131,6 +140,8 @@ def find_groups(tables, page_size, band, policy):
     page_size : int
     band : pagedkv.attention_spec.Band or None
     policy : CascadePolicy
+    bytes_per_key : int
+        :func:`key_bytes` of the layers.
 
     Returns
     -------
@@ -145,7 +156,7 @@ def find_groups(tables, page_size, band, policy):
     pages = tables.page_indices
     num_rows = np.diff(query_start)
     eligible = (num_rows >= 1) & (num_rows <= policy.max_rows)
-    if eligible.sum() < policy.min_sharers:
+    if eligible.sum() < 2:
         return []
     num_pages = np.diff(indptr)
     entry_seq = np.repeat(np.arange(len(seq_lens)), num_pages)
@@ -177,7 +188,7 @@ def find_groups(tables, page_size, band, policy):
     if band is not None and band.chunk_size is not None:
         lo_key = np.maximum(lo_key, last_pos // band.chunk_size * band.chunk_size)
 
-    big = sizes >= max(policy.min_sharers, 2)
+    big = sizes >= 2
     starts, sizes = starts[big], sizes[big]
     if not len(starts):
         return []
@@ -202,15 +213,17 @@ def find_groups(tables, page_size, band, policy):
     first_of = np.cumsum(sizes) - sizes
     lo = np.maximum(begin * page_size, np.maximum.reduceat(lo_key[members], first_of))
     hi = np.minimum(ends * page_size, np.minimum.reduceat(first_pos[members], first_of) + 1)
-    keep = hi - lo >= policy.min_shared_keys
+    shared = hi - lo
+    keep = (shared >= max(policy.min_shared_keys, 1)) & \
+        ((sizes - 1) * shared * bytes_per_key >= policy.min_saved_bytes)
     return [(members[first_of[g]:first_of[g] + sizes[g]], int(lo[g]), int(hi[g]))
             for g in np.flatnonzero(keep)]
 
 
-def sharing(tables, page_size, band, policy):
+def sharing(tables, page_size, band, policy, bytes_per_key):
     """The :class:`Sharing` of a step under ``policy`` (None: nothing is read once)."""
     return Sharing() if policy is None else \
-        _sharing_of(find_groups(tables, page_size, band, policy))
+        _sharing_of(find_groups(tables, page_size, band, policy, bytes_per_key))
 
 
 def _sharing_of(groups):
@@ -219,12 +232,12 @@ def _sharing_of(groups):
                    sum((hi - lo) * (len(m) - 1) for m, lo, hi in groups))
 
 
-def plan_cascade(tables, page_size, band, policy, prepare_step):
+def plan_cascade(tables, page_size, band, policy, bytes_per_key, prepare_step):
     """The cascade plan of a step, or None when no group pays.
 
     ``prepare_step(tables)``: the backend's, for the shared call's tables.
     """
-    groups = find_groups(tables, page_size, band, policy)
+    groups = find_groups(tables, page_size, band, policy, bytes_per_key)
     if not groups:
         return None
     query_start = tables.query_start.astype(np.int64)
@@ -304,15 +317,25 @@ def merge_lse(out, lse, rows, shared_out, shared_lse, sinks):
 
 
 class CascadeAttention:
-    """A backend's attention that reads shared runs once where ``policy`` finds
-    they pay (None: never, ``cascade="off"``)."""
+    """A backend's attention that reads shared runs once where the backend's
+    ``cascade_policy`` finds they pay (``enabled``: ``cascade="auto"``)."""
 
-    def __init__(self, backend, policy):
+    def __init__(self, backend, enabled):
         self.backend = backend
-        self.policy = policy
+        self.enabled = enabled
+        self.key_bytes = key_bytes(backend.storage, backend.num_kv_heads, backend.head_dim)
+
+    @property
+    def policy(self):
+        """The :class:`CascadePolicy` in force, or None (``cascade="off"``)."""
+        return self.backend.cascade_policy if self.enabled else None
+
+    def sharing(self, tables):
+        """The :class:`Sharing` of a step's ``tables`` (causal attention)."""
+        return sharing(tables, self.backend.page_size, None, self.policy, self.key_bytes)
 
     def _plan(self, tables, num_heads, band):
-        return plan_cascade(tables, self.backend.page_size, band, self.policy,
+        return plan_cascade(tables, self.backend.page_size, band, self.policy, self.key_bytes,
                             self.backend.prepare_step)
 
     def plan(self, tables, q, spec):

@@ -1,6 +1,5 @@
 """``StepBatch``: the slots and page tables of one ``append`` step, as an engine sees them."""
 from pagedkv.backends.base import StepTables
-from pagedkv.cascade import sharing
 
 
 def _frozen(array):
@@ -116,9 +115,7 @@ class StepBatch(_ReadOnlyTables):
         read once per group, reads saved per layer and KV head) for the
         full-attention layers under the cache's ``cascade`` setting (all zero
         with ``"off"`` or nothing shared)."""
-        cache = self._cache
-        return sharing(self._tables, cache.page_size, None,
-                       cache._backend.cascade_policy if cache.cascade == "auto" else None)
+        return self._cache._attend.sharing(self._tables)
 
     @property
     def num_seqs(self):

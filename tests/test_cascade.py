@@ -5,22 +5,28 @@ import numpy as np
 import pytest
 
 import pagedkv
+from pagedkv.cascade import CascadePolicy
 from test_chunk_alibi import geometric_slopes, make, sinks_for
 
 NUM_HEADS = 8       # make()'s default: 2 KV heads, GQA group 4
 # auto and off differ only by float32 rounding: the same sums, merged in another order
 # (ALiBi's bias in the shared part is shifted by up to slope x context, then shifted back)
 ROUNDING = dict(rtol=2e-5, atol=5e-6)
+# Every group of two or more with a shared key reads it once: the small caches here save
+# too few bytes for the backends' own policies (tested below on their own)
+FORCED = CascadePolicy(min_saved_bytes=0, min_shared_keys=1)
 
 
 class Twin:
     """A Harness over a ``cascade="auto"`` cache (checked against the dense reference),
     driving a ``cascade="off"`` cache with the same data beside it."""
 
-    def __init__(self, backend, *, dtype="float32", **kwargs):
+    def __init__(self, backend, *, dtype="float32", policy=FORCED, **kwargs):
         self.h = make(backend, dtype=dtype, **kwargs)
         self.off = make(backend, dtype=dtype, cascade="off", **kwargs).cache
         self.cache = self.h.cache
+        if policy is not None:
+            self.cache._backend.cascade_policy = policy
         self.used = []           # per step: whether each layer read a shared run once
 
     def add(self, token_ids=None):
@@ -175,8 +181,15 @@ def test_both_pools(backend):
     assert batch.sharing.num_groups == 1     # the full pool's sharing
 
 
-def test_short_prefix_and_lone_sequences_read_once_each(backend):
-    t = Twin(backend)
+def test_default_policy_reads_a_long_shared_prefix_once(backend):
+    t = Twin(backend, policy=None, num_kv_heads=8, head_dim=64, group=2, num_pages=200)
+    root, kids = forked_family(t, prefix=600, suffixes=(0, 1, 2, 3, 4, 5, 6))
+    batch = t.step(kids + [root], 1)     # 7 x 592 keys x 4 KiB saved: 17 MB
+    assert t.used[-1] and batch.sharing.saved_token_reads == 7 * 592
+
+
+def test_default_policy_reads_short_runs_once_per_sequence(backend):
+    t = Twin(backend, policy=None)
     root, kids = forked_family(t, prefix=100, suffixes=(0, 1))   # too short to pay
     others = [t.add() for _ in range(3)]
     for s in others:
