@@ -167,6 +167,11 @@ class StorageFormat:
         return tuple(parts)
 
     @property
+    def fields(self):
+        """The :class:`StoredRows` fields of the copy set, in its order."""
+        return tuple(part.field for part in self.copy_set(1))
+
+    @property
     def opencl_kernels(self):
         """The :class:`OpenCLKernels` of this format."""
         if self.scaled:
