@@ -241,12 +241,9 @@ void paged_attention(__global const float* q,              /* [T, num_heads, D] 
     const int out_tiles = query_blocks * PKV_COL_BLOCKS;   /* <= PKV_OUT_TILES */
     const int pages_begin = page_indptr[b], pages_end = PKV_MIN(page_indptr[b + 1], nnz);
     /* the step's new tokens of sequence b, when this launch stores them: rows
-       new_row0..new_row1 of new_k / new_v, at positions new_pos0.. */
-#if !PKV_VECTOR_ROWS
-    const bool fused = false;   /* rows stored whole are stored by the format's scatter */
-#else
-    const bool fused = num_new_tokens > 0;
-#endif
+       new_row0..new_row1 of new_k / new_v, at positions new_pos0.. (never for
+       rows stored whole, !PKV_VECTOR_ROWS: the format's scatter stores them) */
+    const bool fused = PKV_VECTOR_ROWS && num_new_tokens > 0;
     const int new_row0 = fused ? query_start[b] : 0;
     const int new_row1 = fused ? PKV_MIN(query_start[b + 1], num_new_tokens) : 0;
     const long new_pos0 = fused ? (long)seq_lens[b] - (new_row1 - new_row0) : 0;

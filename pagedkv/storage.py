@@ -113,6 +113,10 @@ class OpenCLKernels(NamedTuple):
     staged_only: bool
     exact_division: bool
 
+    def items_per_row(self, head_dim, vector_width):
+        """Work-items of ``scatter`` and ``gather`` per stored row."""
+        return 1 if self.whole_rows else head_dim // vector_width
+
 
 @dataclass(frozen=True)
 class StorageFormat:

@@ -307,10 +307,8 @@ class OpenCLBackend(Backend):
         # from the store's input (formats that store vector by vector)
         self._fuses_store = kernels.fused_store and self.layout.stage_k and \
             self.layout.stage_v
-        # work-items per stored row of scatter and gather: a row quantized whole
-        # takes one, float rows one a vector
-        self._rows_or_vectors = 1 if kernels.whole_rows else \
-            self.head_dim // self.layout.vector_width
+        # work-items per stored row of scatter and gather
+        self._rows_or_vectors = kernels.items_per_row(self.head_dim, self.layout.vector_width)
 
     # -- helpers --------------------------------------------------------------------
     @property
