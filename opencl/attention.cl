@@ -194,6 +194,8 @@ void paged_attention(__global const float* q,              /* [T, num_heads, D] 
                      __global const float* bias_slopes,    /* [num_heads]: pkv_bias's slopes */
                      const int has_bias,
                      __global float* out,                  /* [T, num_heads, D] */
+                     __global float* lse,                  /* has_lse: [T, num_heads] */
+                     const int has_lse,
                      __global float* part_acc,             /* [P, PKV_NQ, D] */
                      __global float* part_max,             /* [P, PKV_NQ] */
                      __global float* part_sum,
@@ -554,6 +556,8 @@ void paged_attention(__global const float* q,              /* [T, num_heads, D] 
                         : part_acc + ((size_t)part * PKV_NQ + qi) * PKV_D;
                     PKV_UNROLL
                     for (int c = 0; c < PKV_CB; ++c) PKV_VSTORE_F(acc[k][j][c] * inv, v0 + c, dst);
+                    if (has_lse && part < 0 && v0 == 0)
+                        lse[(size_t)r * num_heads + head] = pkv_log_sum(run_max[qi], run_sum[qi]);
                 }
             }
         }
@@ -583,6 +587,8 @@ void merge_partials(__global const int* items, __global const int* seg_items,
                     __global const float* sinks,       /* [num_heads] */
                     const int has_sinks,
                     __global float* out,               /* [T, num_heads, D] */
+                    __global float* lse,               /* has_lse: [T, num_heads] */
+                    const int has_lse,
                     __global int* loop_counts) {       /* PKV_COUNT_LOOPS: [work-items] */
     int loops = 0;
     const int s = get_group_id(0), lid = get_local_id(0);
@@ -611,6 +617,7 @@ void merge_partials(__global const int* items, __global const int* seg_items,
             const int r = row0 + qi / group, head = h * group + qi % group;
             const float inv = pkv_output_scale(m, total, has_sinks ? sinks[head] : -INFINITY);
             PKV_VSTORE_F(acc * inv, ((size_t)r * num_heads + head) * PKV_DV + vec, out);
+            if (has_lse && vec == 0) lse[(size_t)r * num_heads + head] = pkv_log_sum(m, total);
         }
     }
     if (PKV_COUNT_LOOPS) loop_counts[get_global_id(0)] = loops;

@@ -156,4 +156,11 @@ PKV_VARIANT_FN float pkv_output_scale(float m, float sum, float sink) {
     return denominator > 0.0f ? f / denominator : 0.0f;
 }
 
+/* A query's log-sum-exp of its logits, m + log(sum) for its max m and sum of
+ * weights (-inf when it saw no key): what merges attentions over disjoint
+ * keys (pagedkv/cascade.py). */
+PKV_VARIANT_FN float pkv_log_sum(float m, float sum) {
+    return sum > 0.0f ? m + log(sum) : -INFINITY;
+}
+
 #endif /* PKV_VARIANT_MATH_H */

@@ -33,6 +33,7 @@ cdef extern from "pkv_variant.h" nogil:
     int64_t pkv_band_position(pkv_band band, int row)
     float pkv_part_weight(float part_max, float m)
     float pkv_output_scale(float m, float sum, float sink)
+    float pkv_log_sum(float m, float sum)
 
 cdef extern from "pkv_simd.h" nogil:
     ctypedef struct pkv_prefetch:
@@ -633,7 +634,7 @@ def paged_attention(const float[:, :, ::1] q,
                     const int32_t[::1] page_indptr, const int32_t[::1] page_indices,
                     const int32_t[:, ::1] items, const int32_t[::1] item_offsets,
                     const float[::1] sinks, float[:, :, ::1] out, AttentionParams params,
-                    const float[::1] bias_slopes=None):
+                    const float[::1] bias_slopes=None, float[:, ::1] lse=None):
     """Paged attention of a ragged batch over planned work items; see ``pagedkv.backends.host``.
 
     Parameters
@@ -656,6 +657,8 @@ def paged_attention(const float[:, :, ::1] q,
         Per query head, the slope of ``pkv_bias`` (``opencl/pkv_variant.h``):
         the logit of the key at position j for the query at position p gains
         ``bias_slopes[h] * (j - p)`` after the soft cap.  None: no bias.
+    lse : float32 [T, num_heads] or None
+        Receives each query's log-sum-exp of its logits (-inf: it saw no key).
     params : dict
         The fields of ``AttentionParams`` (above), each by name: the
         variant's scalars (``scale``, ``soft_cap``), the int8 rotation
@@ -692,6 +695,7 @@ def paged_attention(const float[:, :, ::1] q,
     cdef Py_ssize_t[:, ::1] rows = rows_buf
     cdef const float* sink_ptr = &sinks[0] if sinks is not None else NULL
     cdef const float* slopes_ptr = &bias_slopes[0] if bias_slopes is not None else NULL
+    cdef float* lse_ptr = &lse[0, 0] if lse is not None else NULL
     cdef Py_ssize_t slot, i
     with nogil:
         # last items first: those of a causal prefill's later rows, which see
@@ -708,19 +712,19 @@ def paged_attention(const float[:, :, ::1] q,
             if items[w, PKV_W_PART] < 0:
                 merge_partials(&items[0, 0], w, w + 1, group, &params, sink_ptr,
                                &acc[slot, 0, 0], &run_max[slot, 0], &run_sum[slot, 0],
-                               part_queries, D, out)
+                               part_queries, D, out, lse_ptr)
         for m in prange(M, schedule="static", num_threads=num_threads):
             if items[item_offsets[m], PKV_W_PART] >= 0:
                 merge_partials(&items[0, 0], item_offsets[m], item_offsets[m + 1], group,
                                &params, sink_ptr, &acc[0, 0, 0], &run_max[0, 0],
-                               &run_sum[0, 0], part_queries, D, out)
+                               &run_sum[0, 0], part_queries, D, out, lse_ptr)
 
 
 cdef void merge_partials(const int32_t* items, int first, int last, int group,
                          const AttentionParams* params, const float* sinks,
                          const float* acc, const float* run_max,
                          const float* run_sum, Py_ssize_t part_queries, int D,
-                         float[:, :, ::1] out) noexcept nogil:
+                         float[:, :, ::1] out, float* lse) noexcept nogil:
     """Combine items ``first:last`` (one query block) into ``out``.
 
     Item ``w``'s partial results are those of slot ``max(PART, 0)``: ``acc``
@@ -728,7 +732,8 @@ cdef void merge_partials(const int32_t* items, int first, int last, int group,
     (an item that is not split passes its own as slot 0).  With ``sinks``
     (float32 [num_heads], else NULL), head ``h``'s denominator gains
     ``exp(sinks[h])`` (``pkv_output_scale`` of the variant contract).  With a
-    ``rotation_block`` (int8 rows), the output is rotated back.
+    ``rotation_block`` (int8 rows), the output is rotated back.  With ``lse``
+    (float32 [T, num_heads], else NULL), each query's log-sum-exp goes there.
     """
     cdef int heads_per_item = params.heads_per_item
     cdef const int32_t* item = items + first * PKV_W_FIELDS
@@ -760,6 +765,8 @@ cdef void merge_partials(const int32_t* items, int first, int last, int group,
             for d in range(D):
                 dst[d] = dst[d] + src[d] * weight
         inv = pkv_output_scale(m, total, sinks[head] if sinks != NULL else -INFINITY)
+        if lse != NULL:
+            lse[(row0 + qi // group) * out.shape[1] + head] = pkv_log_sum(m, total)
         for d in range(D):
             dst[d] = dst[d] * inv
         pkv_rotate(dst, D, params.rotation_block, params.rotation_scale)

@@ -23,6 +23,7 @@ from pagedkv.pools import manager_for, pool_specs
 from pagedkv._validate import check_int, check_int_vector, check_seq_id, check_tensor
 from pagedkv.attention_spec import MAX_WINDOW, AttentionSpec
 from pagedkv.backends import backend_class, resolve_backend
+from pagedkv.cascade import CascadeAttention, check_mode as check_cascade_mode
 from pagedkv.checkpoint import Checkpoint, CheckpointBook
 from pagedkv.errors import ArgumentTypeError
 from pagedkv.step import StepBatch
@@ -109,6 +110,13 @@ class PagedKVCache:
         Settings of the chosen backend.  opencl: ``{"layout": {...}}`` forces
         attributes of its kernel layout (``KernelLayout``), e.g. the shape a
         GPU gets, on any device.  host: none.
+    cascade : {"auto", "off"}, default "auto"
+        Shared-prefix attention: with "auto", pages that several sequences of
+        a step share (fork, prefix-cache hits) are read once for all their
+        queries wherever the backend's measured policy says it pays
+        (docs/cascade.md); "off" reads them once per sequence.  Results
+        agree within float32 rounding.  ``StepBatch.sharing`` says what a
+        step shares.
 
     Raises
     ------
@@ -140,7 +148,8 @@ class PagedKVCache:
                  prefix_hash: Optional[Callable[[int, tuple], int]] = None,
                  layer_windows: Optional[Sequence[Optional[int]]] = None,
                  num_window_pages: Optional[int] = None, window_rollback_tokens: int = 1,
-                 kv_rotation: bool = True, backend_options: Optional[dict] = None):
+                 kv_rotation: bool = True, backend_options: Optional[dict] = None,
+                 cascade: str = "auto"):
         self._guard = Guard()
         self.num_layers = check_int("num_layers", num_layers, minimum=1)
         self.num_kv_heads = check_int("num_kv_heads", num_kv_heads, minimum=1)
@@ -165,6 +174,9 @@ class PagedKVCache:
                                     f"got {enable_prefix_caching!r}")
         if prefix_hash is not None and not callable(prefix_hash):
             raise ArgumentTypeError(f"prefix_hash: expected a callable, got {prefix_hash!r}")
+        #: ``"auto"`` or ``"off"``: whether attention reads pages that several
+        #: sequences of a step share once for all of them (shared-prefix attention).
+        self.cascade = check_cascade_mode(cascade)
         if backend_options is not None and not isinstance(backend_options, dict):
             raise ArgumentTypeError(f"backend_options: expected a dict, got "
                                     f"{type(backend_options).__name__}")
@@ -191,6 +203,8 @@ class PagedKVCache:
             num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, layer_pages=layer_pages,
             page_size=self.page_size, storage=self.storage, device=device,
             options=backend_options)
+        self._attend = CascadeAttention(
+            self._backend, self._backend.cascade_policy if self.cascade == "auto" else None)
         self.prefix_caching = enable_prefix_caching
         allocators = [PageAllocator(pool.num_pages, self.page_size, enable_prefix_caching)
                       for pool in pools]
@@ -601,9 +615,9 @@ class PagedKVCache:
             raise ValueError(f"layer: K/V of layer {layer} were not stored for this step; "
                              f"call store({layer}, batch, k, v) first")
         if not as_torch:
-            return self._backend.attention(layer, tables, q, spec)
+            return self._attend(layer, tables, q, spec)
         out = sys.modules["torch"].empty(q.shape, dtype=sys.modules["torch"].float32)
-        self._backend.attention(layer, tables, q, spec, out=out.numpy())
+        self._attend(layer, tables, q, spec, out=out.numpy())
         return out
 
     # -- prefix cache ------------------------------------------------------------------

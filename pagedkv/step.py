@@ -1,5 +1,6 @@
 """``StepBatch``: the slots and page tables of one ``append`` step, as an engine sees them."""
 from pagedkv.backends.base import StepTables
+from pagedkv.cascade import sharing
 
 
 def _frozen(array):
@@ -107,6 +108,17 @@ class StepBatch(_ReadOnlyTables):
     seq_ids = property(lambda self: self._view("seq_ids"))
     query_start = property(lambda self: self._view("query_start"))
     seq_lens = property(lambda self: self._view("seq_lens"))
+
+    @property
+    def sharing(self):
+        """What the step's sequences share, as attention reads it: a
+        :class:`pagedkv.cascade.Sharing` (groups of sequences, key positions
+        read once per group, reads saved per layer and KV head) for the
+        full-attention layers under the cache's ``cascade`` setting (all zero
+        with ``"off"`` or nothing shared)."""
+        cache = self._cache
+        return sharing(self._tables, cache.page_size, None,
+                       cache._backend.cascade_policy if cache.cascade == "auto" else None)
 
     @property
     def num_seqs(self):

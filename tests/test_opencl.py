@@ -434,6 +434,7 @@ def test_cpu_layout_work_per_work_item_is_bounded(cl_device, head_dim, group, ro
         def __init__(self, seq_len):
             self.query_start = np.array([0, rows], np.int32)
             self.seq_lens = np.array([seq_len], np.int32)
+            self.key_cut = None
 
     # Bounded up to 4,000 parts per merge: 390,000 keys for 64 queries at head_dim 128
     # (the worst case), millions for decode; past that, parts grow.

@@ -36,6 +36,9 @@ class StepTables:
     device : object
         What the backend's ``prepare_step`` made of the tables (e.g. their
         device copies), shared by every layer of the step.
+    key_cut : pagedkv.backends.schedule.KeyCut or None
+        Keys each sequence's rows read only (or skip), besides their band:
+        set on the tables that shared-prefix attention makes (``pagedkv.cascade``).
     """
     query_start: np.ndarray
     seq_lens: np.ndarray
@@ -43,21 +46,22 @@ class StepTables:
     page_indptr: np.ndarray
     page_indices: np.ndarray
     device: Any = None
+    key_cut: Any = None
     _plans: dict = field(default_factory=dict, repr=False)
 
     @property
     def num_tokens(self):
         return len(self.slot_mapping)
 
-    def plan(self, make_plan, num_heads, band):
+    def plan(self, make_plan, num_heads, band, kind="kernels"):
         """The attention plan of this step for a query-head count and band.
 
         ``band``: an :class:`pagedkv.attention_spec.Band`, or None (causal).
-        ``make_plan(self, num_heads, band)`` runs once per distinct pair;
-        every layer of the step then reuses its plan (work list, uploads,
-        thread count).
+        ``make_plan(self, num_heads, band)`` runs once per distinct ``kind``
+        of plan (the backend's kernel plan, the cascade plan) and pair; every
+        layer of the step then reuses its plan (work list, uploads, thread count).
         """
-        key = (num_heads, band)
+        key = (kind, num_heads, band)
         if key not in self._plans:
             self._plans[key] = make_plan(self, num_heads, band)
         return self._plans[key]
@@ -106,6 +110,14 @@ class Backend(ABC):
     def unavailable_reason(cls) -> Optional[str]:
         """None if this backend can run here; else why not and how to fix it."""
 
+    #: When ``cascade="auto"`` reads a shared run once
+    #: (:class:`pagedkv.cascade.CascadePolicy`; measured per backend, docs/cascade.md).
+    cascade_policy: Any = None
+
+    def is_native(self, array: Any) -> bool:
+        """Whether ``array`` is one of the backend's own ``array_types``."""
+        return bool(self.array_types) and isinstance(array, self.array_types)
+
     @classmethod
     def suits_auto(cls) -> bool:
         """Whether ``backend="auto"`` should take this backend when it can run."""
@@ -138,12 +150,17 @@ class Backend(ABC):
 
     @abstractmethod
     def attention(self, layer: int, tables: StepTables, q: Any, spec: "AttentionSpec",
-                  out: Optional[np.ndarray] = None) -> Any:
+                  out: Optional[np.ndarray] = None,
+                  lse: Optional[np.ndarray] = None) -> Any:
         """Paged attention of the variant ``spec``; ``q`` [total_new, num_heads, head_dim]
         -> float32, same shape and same kind (numpy or native) as ``q``.
 
         ``out`` (numpy, float32, C-contiguous, ``q``'s shape; only with numpy
-        ``q``) receives the result and is returned."""
+        ``q``) receives the result and is returned.  ``lse`` (numpy, float32,
+        C-contiguous, [total_new, num_heads]; only with numpy ``q`` and a
+        ``spec`` without sinks) receives each query's log-sum-exp of its
+        logits, ``m + log(sum_j exp(x_j - m))`` (-inf for a query that sees no
+        key): what merges two attentions over disjoint keys."""
 
     @abstractmethod
     def gather(self, layer: int, slots: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:

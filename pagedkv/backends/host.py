@@ -11,6 +11,7 @@ from pagedkv import _process, _rows
 from pagedkv._cpu import kernels as _kernels
 from pagedkv.backends.base import Backend, empty_rows
 from pagedkv.backends.schedule import ITEM, plan_attention
+from pagedkv.cascade import CascadePolicy
 
 # Query rows x query heads of one item: 64 query vectors of head_dim floats
 # keep the accumulator in L1/L2 while a K/V page streams past.
@@ -73,6 +74,8 @@ class HostBackend(Backend):
     """K/V pools in host memory; kernels in Cython, GIL released, OpenMP-parallel."""
 
     name = "host"
+    # measured crossover: docs/cascade.md
+    cascade_policy = CascadePolicy(min_sharers=2, min_shared_keys=256, max_rows=8)
 
     @classmethod
     def unavailable_reason(cls):
@@ -125,7 +128,7 @@ class HostBackend(Backend):
                          *self.storage.rotation,
                          _fork_safe(_threads_for(k.size, self.num_threads)))
 
-    def attention(self, layer, tables, q, spec, out=None):
+    def attention(self, layer, tables, q, spec, out=None, lse=None):
         q = self._host_f32(q)
         plan = tables.plan(self._plan, q.shape[1], spec.band)
         out = np.empty_like(q) if out is None else out
@@ -138,7 +141,7 @@ class HostBackend(Backend):
             q=q, k_pool=self._k[layer], v_pool=self._v[layer], k_scales=self._k_scales[layer],
             v_scales=self._v_scales[layer], page_indptr=tables.page_indptr,
             page_indices=tables.page_indices, items=plan.items, item_offsets=plan.item_offsets,
-            sinks=spec.sinks, out=out, params=params, bias_slopes=spec.alibi_slopes)
+            sinks=spec.sinks, out=out, params=params, bias_slopes=spec.alibi_slopes, lse=lse)
         return out
 
     def _plan(self, tables, num_heads, band):
@@ -175,7 +178,7 @@ class HostBackend(Backend):
             tables.query_start, tables.seq_lens, num_kv_heads=self.num_kv_heads,
             page_size=self.page_size, rows_per_block=rows_per_block,
             target_items=4 * threads if threads > 1 else 1, min_part_tokens=_MIN_PART_TOKENS,
-            heads_per_item=heads_per_item, band=band)
+            heads_per_item=heads_per_item, band=band, key_cut=tables.key_cut)
         rows = items[:, ITEM.ROW1] - items[:, ITEM.ROW0]
         keys = items[:, ITEM.KEY1] - items[:, ITEM.KEY0]
         work = int((rows * keys).sum()) * heads_per_item * group * self.head_dim

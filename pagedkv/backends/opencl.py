@@ -26,6 +26,7 @@ from pagedkv.backends._opencl_layout import KernelLayout, _floor_pow2
 from pagedkv.backends._opencl_program import build_program
 from pagedkv.backends.base import Backend, empty_rows
 from pagedkv.backends.schedule import ITEM, plan_attention
+from pagedkv.cascade import CascadePolicy
 from pagedkv.errors import ArgumentTypeError, BackendUnavailableError
 
 try:  # for array_types only; the rest imports pyopencl when a backend is made
@@ -83,7 +84,7 @@ class _Plan:
             target_items=_ITEMS_PER_COMPUTE_UNIT * backend.device.max_compute_units,
             min_part_tokens=_MIN_PART_TOKENS, band=band,
             max_part_keys=lambda rows: layout.max_item_keys(rows * self.group),
-            max_parts=lambda rows: layout.max_parts(rows * self.group))
+            max_parts=lambda rows: layout.max_parts(rows * self.group), key_cut=tables.key_cut)
         counts = np.diff(item_offsets)
         split = counts > 1
         self.num_items = len(items)
@@ -171,6 +172,8 @@ class OpenCLBackend(Backend):
     """
 
     name = "opencl"
+    # measured crossover: docs/cascade.md
+    cascade_policy = CascadePolicy(min_sharers=2, min_shared_keys=256, max_rows=8)
     array_types = (_cl_array.Array,) if _cl_array is not None else ()
 
     @classmethod
@@ -332,9 +335,6 @@ class OpenCLBackend(Backend):
         first ``rows`` rows of float32 device buffer (or array) ``x``, in place;
         returns their events."""
         return [self._launch(kernel, rows, x=x, n=rows) for kernel in self._k_rotations]
-
-    def is_native(self, array):
-        return _cl_array is not None and isinstance(array, _cl_array.Array)
 
     def _upload(self, array, dtype=None):
         """A device copy (a pyopencl Buffer, :func:`_buffer_holding`) of a non-empty
@@ -501,7 +501,7 @@ class OpenCLBackend(Backend):
     def _plan(self, tables, num_heads, band):
         return _Plan(self, tables, num_heads, band)
 
-    def attention(self, layer, tables, q, spec, out=None):
+    def attention(self, layer, tables, q, spec, out=None, lse=None):
         self._check_process()
         native = self.is_native(q)
         plan = tables.plan(self._plan, q.shape[1], spec.band)
@@ -515,6 +515,8 @@ class OpenCLBackend(Backend):
             if result is None:
                 return zeros
             result[...] = 0.0
+            if lse is not None:
+                lse[...] = -np.inf
             return result
         qd, q_wait = self._device_f32(q, "q")
         rows = q.shape[0] * q.shape[1]
@@ -537,6 +539,7 @@ class OpenCLBackend(Backend):
             out_d.allocator = None    # what pyopencl makes from it later: its default buffers
         else:
             out_d = self._work_buffer("out", rows * self.head_dim)
+        lse_d = self._placeholder if lse is None else self._work_buffer("lse", rows)
         parts = plan.num_partial_floats
         part_acc, part_max, part_sum = (self._work_buffer("part_acc", parts * self.head_dim),
                                         self._work_buffer("part_max", parts),
@@ -563,7 +566,8 @@ class OpenCLBackend(Backend):
             num_groups=plan.num_groups, sub_groups=plan.sub_groups, page_size=self.page_size,
             num_pages=self.layer_pages[layer], nnz=len(tables.page_indices), scale=spec.scale,
             soft_cap=spec.logits_soft_cap or 0.0, sinks=sinks, has_sinks=spec.sinks is not None,
-            bias_slopes=slopes, has_bias=spec.alibi_slopes is not None, out=out_d, part_acc=part_acc, part_max=part_max, part_sum=part_sum,
+            bias_slopes=slopes, has_bias=spec.alibi_slopes is not None, out=out_d, lse=lse_d,
+            has_lse=lse is not None, part_acc=part_acc, part_max=part_max, part_sum=part_sum,
             loop_counts=loop_counts)]
         if fused is not None:    # the store is launched: no longer owed
             self._pending = None
@@ -573,7 +577,7 @@ class OpenCLBackend(Backend):
                 items=plan.items, seg_items=plan.seg_items, seg_parts=plan.seg_parts,
                 part_acc=part_acc, part_max=part_max, part_sum=part_sum, group=plan.group,
                 num_groups=plan.num_groups, sinks=sinks, has_sinks=spec.sinks is not None,
-                out=out_d, loop_counts=merge_counts))
+                out=out_d, lse=lse_d, has_lse=lse is not None, loop_counts=merge_counts))
         events += self._rotate(out_d, rows)   # the output, back from the rotated basis
         self._last_events = events
         if counting:
@@ -589,6 +593,8 @@ class OpenCLBackend(Backend):
             return out_d
         if result is None:
             result = np.empty(q.shape, np.float32)
+        if lse is not None:
+            self._cl.enqueue_copy(self.queue, lse, lse_d)
         self._cl.enqueue_copy(self.queue, result, out_d)
         return result
 

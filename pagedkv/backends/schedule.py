@@ -18,7 +18,14 @@ oldest row can see.  When the batch has too few blocks to fill the device
 page-aligned parts (split-K), and a merge combines the parts: such items
 carry their partial-result slot in ``PART`` (else -1).  Items of one (block,
 kv head) are contiguous, and ``item_offsets`` marks them.
+
+A :class:`KeyCut` narrows the keys of each sequence further: shared-prefix
+(cascade) attention (:mod:`pagedkv.cascade`) reads a shared run of keys in
+one call (``keep``) and the rest of each sequence's keys in another (not
+``keep``); the kernels see only the items' key ranges.
 """
+from dataclasses import dataclass
+
 import numpy as np
 
 from pagedkv.backends.kernel_source import work_item_fields
@@ -27,9 +34,24 @@ from pagedkv.backends.kernel_source import work_item_fields
 ITEM = work_item_fields()
 
 
+@dataclass(frozen=True, eq=False)
+class KeyCut:
+    """Key positions ``lo[b]:hi[b]`` of each sequence ``b`` of a step: the only
+    keys its rows read (``keep``), or keys they skip (not ``keep``).
+
+    Attributes
+    ----------
+    lo, hi : ndarray, shape [B], int64
+    keep : bool
+    """
+    lo: np.ndarray
+    hi: np.ndarray
+    keep: bool
+
+
 def plan_attention(query_start, seq_lens, *, num_kv_heads, page_size, rows_per_block,
                    target_items, min_part_tokens, heads_per_item=1, band=None,
-                   max_part_keys=None, max_parts=None):
+                   max_part_keys=None, max_parts=None, key_cut=None):
     """Plan the work items of one step.
 
     Parameters
@@ -58,6 +80,9 @@ def plan_attention(query_start, seq_lens, *, num_kv_heads, page_size, rows_per_b
     max_parts : callable, optional
         ``max_parts(rows)``: the most parts a merge may combine; a key range
         that would need more gets longer parts instead.  Default: no bound.
+    key_cut : KeyCut, optional
+        Narrow each sequence's keys further (every row of a sequence sees all
+        of a kept or skipped range, which the caller ensures).
 
     Returns
     -------
@@ -88,6 +113,23 @@ def plan_attention(query_start, seq_lens, *, num_kv_heads, page_size, rows_per_b
     if chunk is not None:
         # a block's first row sees the earliest keys: its chunk's start
         key_begin = np.maximum(key_begin, first_pos // chunk * chunk)
+    inner_skip = None
+    if key_cut is not None:
+        cut_lo, cut_hi = key_cut.lo[seq], key_cut.hi[seq]
+        if key_cut.keep:
+            key_begin = np.maximum(key_begin, cut_lo)
+            key_end = np.maximum(np.minimum(key_end, cut_hi), key_begin)
+        else:
+            # a skipped range at the start (or end) of a block's keys narrows
+            # them; one inside them is cut out of its items below
+            at_start = (cut_lo <= key_begin) & (cut_hi > key_begin)
+            key_begin = np.where(at_start, np.minimum(cut_hi, key_end), key_begin)
+            at_end = ~at_start & (cut_lo < key_end) & (cut_hi >= key_end)
+            key_end = np.where(at_end, np.maximum(cut_lo, key_begin), key_end)
+            inside = ~at_start & ~at_end & (cut_lo < cut_hi) & (cut_lo > key_begin) & \
+                (cut_hi < key_end)
+            if inside.any():
+                inner_skip = (np.where(inside, cut_lo, 0), np.where(inside, cut_hi, 0))
 
     num_head_groups = num_kv_heads // heads_per_item
     num_blocks = len(seq) * num_head_groups
@@ -103,7 +145,9 @@ def plan_attention(query_start, seq_lens, *, num_kv_heads, page_size, rows_per_b
         cap = np.where(cap >= page_size, cap // page_size * page_size, cap)  # whole pages if it can
         if max_parts is not None:
             # one part fewer than the merge takes: the count below may add one
-            most = np.maximum(np.asarray(max_parts(rows), dtype=np.int64) - 1, 1)
+            # (and an inner skip another)
+            spare = 1 if inner_skip is None else 2
+            most = np.maximum(np.asarray(max_parts(rows), dtype=np.int64) - spare, 1)
             cap = np.maximum(cap, -(-span // most))
         part_len = np.minimum(part_len, cap)
     part_len = np.maximum(part_len, 1)
@@ -128,8 +172,31 @@ def plan_attention(query_start, seq_lens, *, num_kv_heads, page_size, rows_per_b
     items[:, ITEM.BAND_HI] = band_hi[blk]
     items[:, ITEM.BAND_CHUNK] = 0 if chunk is None else chunk
     counts = np.repeat(parts, num_head_groups)
+    if inner_skip is not None:
+        items, counts = _cut_out(items, counts, inner_skip[0][blk], inner_skip[1][blk])
     in_split = np.repeat(counts > 1, counts)
     items[:, ITEM.PART] = -1
     items[in_split, ITEM.PART] = np.arange(int(in_split.sum()), dtype=np.int32)
     item_offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
     return items, item_offsets
+
+
+def _cut_out(items, counts, skip_lo, skip_hi):
+    """Items without the keys ``skip_lo[i]:skip_hi[i]`` (per item), and the new
+    item count of each (block, head): an item around the range becomes two,
+    one inside it none.  A block keeps at least one item (its rows' own
+    tokens lie outside every skipped range)."""
+    key0, key1 = items[:, ITEM.KEY0].astype(np.int64), items[:, ITEM.KEY1].astype(np.int64)
+    left_end = np.minimum(key1, skip_lo)
+    right_start = np.maximum(key0, skip_hi)
+    has_left = (left_end > key0) | (skip_lo >= skip_hi)
+    has_right = (right_start < key1) & (skip_lo < skip_hi)
+    pieces = has_left.astype(np.int64) + has_right
+    out = np.repeat(items, pieces, axis=0)
+    first = np.cumsum(pieces) - pieces        # each item's first piece
+    left_at = first[has_left]
+    out[left_at, ITEM.KEY1] = np.where(skip_lo < skip_hi, left_end, key1)[has_left]
+    right_at = first[has_right] + has_left[has_right]
+    out[right_at, ITEM.KEY0] = right_start[has_right]
+    block = np.repeat(np.arange(len(counts)), counts)
+    return out, np.bincount(block, weights=pieces, minlength=len(counts)).astype(np.int64)
