@@ -110,14 +110,8 @@ PKV_DEFINE_TANH(inline, pkv_tanh, float, pkv_exp, fabs, copysign)
 #define PKV_KEY_MASKED (-2)
 #define PKV_KEY_POOL (-1)
 
-/* A stored row's scale (int8), by its element offset; 1 for float formats. */
-#if PKV_SCALED
-#if !PKV_STAGE_K || !PKV_STAGE_V
-#error "int8 rows are dequantized into the staged tiles: build with PKV_STAGE_K=PKV_STAGE_V=1"
-#endif
-#define PKV_SCALE_OF(scales, row) ((scales)[(row) / PKV_D])
-#else
-#define PKV_SCALE_OF(scales, row) 1.0f
+#if !PKV_VECTOR_ROWS && (!PKV_STAGE_K || !PKV_STAGE_V)
+#error "rows stored whole (pkv_storage.h) are converted into the staged tiles: build with PKV_STAGE_K=PKV_STAGE_V=1"
 #endif
 
 /* Where phases 1 and 3 read key rows: a local float copy, or the pool itself. */
@@ -223,7 +217,7 @@ void paged_attention(__global const float* q,              /* [T, num_heads, D] 
 
     const int lid = get_local_id(0);
     const float inverse_cap = soft_cap > 0.0f ? 1.0f / soft_cap : 0.0f;
-#if !PKV_SCALED
+#if PKV_VECTOR_ROWS
     if (get_group_id(0) >= num_items) {
         /* a scatter work-group: rows (token, head) first_row.. of new_k / new_v */
         const ulong first_row = (ulong)(get_group_id(0) - num_items) * (ulong)scatter_rows;
@@ -249,12 +243,9 @@ void paged_attention(__global const float* q,              /* [T, num_heads, D] 
     const int out_tiles = query_blocks * PKV_COL_BLOCKS;   /* <= PKV_OUT_TILES */
     const int pages_begin = page_indptr[b], pages_end = PKV_MIN(page_indptr[b + 1], nnz);
     /* the step's new tokens of sequence b, when this launch stores them: rows
-       new_row0..new_row1 of new_k / new_v, at positions new_pos0.. */
-#if PKV_SCALED
-    const bool fused = false;   /* int8 rows are quantized whole by scatter_kv_int8 */
-#else
-    const bool fused = num_new_tokens > 0;
-#endif
+       new_row0..new_row1 of new_k / new_v, at positions new_pos0.. (never for
+       rows stored whole, !PKV_VECTOR_ROWS: the format's scatter stores them) */
+    const bool fused = PKV_VECTOR_ROWS && num_new_tokens > 0;
     const int new_row0 = fused ? query_start[b] : 0;
     const int new_row1 = fused ? PKV_MIN(query_start[b + 1], num_new_tokens) : 0;
     const long new_pos0 = fused ? (long)seq_lens[b] - (new_row1 - new_row0) : 0;
@@ -319,10 +310,10 @@ void paged_attention(__global const float* q,              /* [T, num_heads, D] 
                 const int src = key_src[t];
                 if (src == PKV_KEY_POOL) {
 #if PKV_STAGE_K
-                    const float k_scale = PKV_SCALE_OF(k_scales, row);
+                    const float k_scale = PKV_ROW_SCALE(k_scales, row);
 #endif
 #if PKV_STAGE_V
-                    const float v_scale = PKV_SCALE_OF(v_scales, row);
+                    const float v_scale = PKV_ROW_SCALE(v_scales, row);
 #endif
                     PKV_UNROLL
                     for (int d = d0; d < d0 + PKV_SEGMENT; ++d) {
@@ -336,13 +327,13 @@ void paged_attention(__global const float* q,              /* [T, num_heads, D] 
                 } else {
                     /* masked keys (and whole-tile padding) stage zeros, so that
                        no work-group reads a pool row the fused store may write */
-#if !PKV_SCALED
+#if PKV_VECTOR_ROWS
                     const ulong in_row = src >= 0
                         ? ((ulong)src * num_kv_heads + kv_head) * PKV_DV : 0;
 #endif
                     PKV_UNROLL
                     for (int d = d0; d < d0 + PKV_SEGMENT; ++d) {
-#if PKV_SCALED
+#if !PKV_VECTOR_ROWS
                         const pkv_vec k_new = 0.0f, v_new = 0.0f;
 #else
                         const pkv_vec k_new = src >= 0

@@ -5,14 +5,14 @@
  *
  * Float formats: one work-item per vector of PKV_VW elements; consecutive
  * work-items touch consecutive memory, so accesses coalesce on GPUs and
- * vectorise on CPUs.  int8 (PKV_SCALED): one work-item per row, which it
+ * vectorise on CPUs.  int8 (!PKV_VECTOR_ROWS): one work-item per row, which it
  * rotates and quantizes (or dequantizes and rotates back) whole.  Every slot
  * and page id is checked against the pool before it is used: a bad table can
  * only skip work, never write out of bounds.
  */
 #include "pkv_common.h"
 
-#if PKV_SCALED
+#if !PKV_VECTOR_ROWS
 /* int8 formats: quantize row (t, h) of k and v ([T, H, D] float) into
    slot_mapping[t]; -1 skips. */
 __kernel void scatter_kv_int8(__global const float* k, __global const float* v,

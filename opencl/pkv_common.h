@@ -3,8 +3,9 @@
  * Build options (set by pagedkv/backends/opencl.py):
  *   PKV_STORAGE   the pools' format, a number of pkv_storage.h (which defines
  *                 its element type, loads and stores)
- *   PKV_ROTATION_BLOCK, PKV_ROTATION_SCALE   int8 only: the Hadamard block rows
- *                 are rotated by, and 1 / sqrt(block) as an exact hex float
+ *   PKV_ROTATION_BLOCK, PKV_ROTATION_SCALE   int8 only (pkv_storage.h): the
+ *                 Hadamard block rows are rotated by, and 1 / sqrt(block) as an
+ *                 exact hex float
  *   PKV_HEAD_DIM  D, floats per K/V/Q row
  *   PKV_VW        floats per vector: 1, 2, 4 or 8, dividing PKV_HEAD_DIM
  *
@@ -25,10 +26,6 @@
 
 #if !defined(PKV_STORAGE) || !defined(PKV_HEAD_DIM) || !defined(PKV_VW)
 #error "build with -DPKV_STORAGE=<pkv_storage.h number> -DPKV_HEAD_DIM=D -DPKV_VW=1|2|4|8"
-#endif
-#ifndef PKV_ROTATION_BLOCK
-#define PKV_ROTATION_BLOCK 0
-#define PKV_ROTATION_SCALE 1.0f
 #endif
 #if PKV_HEAD_DIM % PKV_VW != 0
 #error "PKV_VW must divide PKV_HEAD_DIM"
@@ -149,100 +146,6 @@ inline T name(T x) {                                                            
 
 PKV_DEFINE_EXP(pkv_exp, float, int, as_float, as_int)
 
-/* -- int8 rows: the blocked Hadamard rotation and quantizing ------------------------
- * Operation for operation the host's pagedkv/pkv_quant.h (same butterfly
- * order, the same float32 constant, no fused multiply-adds, IEEE division:
- * the program is built with -cl-fp32-correctly-rounded-divide-sqrt where
- * the device has it, round to nearest even), so that both backends store
- * the same bits. */
-
-/* Rows whose largest magnitude reaches 2**64 are rotated scaled by 2**-64
- * (exact), as pkv_quant.h explains: a block's butterflies would overflow. */
-#define PKV_ROTATE_BIG 0x1p64f
-#define PKV_ROTATE_SMALL 0x1p-64f
-
-/* max |x[i]|, i < PKV_D (NaN ignored). */
-inline float pkv_row_amax(const float* x) {
-    float amax = 0.0f;
-    for (int i = 0; i < PKV_D; ++i) {
-        const float a = fabs(x[i]);
-        amax = a > amax ? a : amax;
-    }
-    return amax;
-}
-
-/* x[0:PKV_D] <- its blocks times the orthonormal Hadamard matrix, with no
- * precaution against overflow. */
-inline void pkv_rotate_raw(float* x) {
-#pragma OPENCL FP_CONTRACT OFF
-#if PKV_ROTATION_BLOCK > 1
-    for (int b0 = 0; b0 < PKV_D; b0 += PKV_ROTATION_BLOCK)
-        for (int h = 1; h < PKV_ROTATION_BLOCK; h *= 2)
-            for (int i = b0; i < b0 + PKV_ROTATION_BLOCK; i += 2 * h)
-                for (int j = i; j < i + h; ++j) {
-                    const float a = x[j], c = x[j + h];
-                    x[j] = a + c;
-                    x[j + h] = a - c;
-                }
-    for (int i = 0; i < PKV_D; ++i) x[i] *= PKV_ROTATION_SCALE;
-#endif
-}
-
-/* x[0:PKV_D] <- its blocks times the orthonormal Hadamard matrix (its own
- * inverse); overflows only where the result does. */
-inline void pkv_rotate(float* x) {
-#pragma OPENCL FP_CONTRACT OFF
-#if PKV_ROTATION_BLOCK > 1
-    const bool big = pkv_row_amax(x) >= PKV_ROTATE_BIG;
-    if (big)
-        for (int i = 0; i < PKV_D; ++i) x[i] *= PKV_ROTATE_SMALL;
-    pkv_rotate_raw(x);
-    if (big)
-        for (int i = 0; i < PKV_D; ++i) x[i] *= PKV_ROTATE_BIG;
-#endif
-}
-
-/* The rotated row y = x (in place) as int8 q = round(y / s), s = max |y| / 127;
- * returns s (finite for a finite row: a row from 2**64 goes scaled, as in
- * pkv_quant.h, and x is left scaled). */
-inline float pkv_quantize(float* x, __global char* q) {
-#pragma OPENCL FP_CONTRACT OFF
-#if PKV_ROTATION_BLOCK > 1
-    const bool big = pkv_row_amax(x) >= PKV_ROTATE_BIG;
-    if (big)
-        for (int i = 0; i < PKV_D; ++i) x[i] *= PKV_ROTATE_SMALL;
-#else
-    const bool big = false;
-#endif
-    pkv_rotate_raw(x);
-    const float s = pkv_row_amax(x) / 127.0f;
-    for (int i = 0; i < PKV_D; ++i) {
-        float v = s > 0.0f ? x[i] / s : 0.0f;
-        v = v != v ? 0.0f : (v < -127.0f ? -127.0f : (v > 127.0f ? 127.0f : v));
-        q[i] = (char)rint(v);
-    }
-    return big ? s * PKV_ROTATE_BIG : s;
-}
-
-/* row[0:PKV_D] = the int8 row q * s rotated back (pkv_dequantize of
- * pkv_quant.h: scaled from s = 2**56, clamped to +-FLT_MAX). */
-inline void pkv_dequantize(__global const char* q, const float s, float* row) {
-#pragma OPENCL FP_CONTRACT OFF
-#if PKV_ROTATION_BLOCK > 1
-    const bool big = s >= 0x1p56f;
-#else
-    const bool big = false;
-#endif
-    const float s_row = big ? s * PKV_ROTATE_SMALL : s;
-    for (int d = 0; d < PKV_D; ++d) row[d] = (float)q[d] * s_row;
-    pkv_rotate_raw(row);
-    if (big)
-        for (int d = 0; d < PKV_D; ++d) {
-            const float x = row[d] * PKV_ROTATE_BIG;
-            row[d] = x > FLT_MAX ? FLT_MAX : (x < -FLT_MAX ? -FLT_MAX : x);
-        }
-}
-
 /* Element offset of row `offset` (token within page) of `head` in `page`. */
 inline ulong pkv_row(int page, int head, int offset, int num_kv_heads, int page_size) {
     return (((ulong)page * (ulong)num_kv_heads + (ulong)head) * (ulong)page_size
@@ -260,8 +163,8 @@ inline ulong pkv_split_vector(const ulong gid, const int num_kv_heads, int* h, i
     return t;
 }
 
-#if !PKV_SCALED
-/* Float formats: vector `gid` of k and v ([T, H, D] float, PKV_DV vectors per
+#if PKV_VECTOR_ROWS
+/* Formats stored vector by vector: vector `gid` of k and v ([T, H, D] float, PKV_DV vectors per
  * row (t, h)) into the pools at slot_mapping[t]; a slot outside the pool (-1:
  * none) skips.  The scatter kernel, and the scatter work-groups of the
  * attention kernel, run this per work-item. */

@@ -17,12 +17,19 @@
  * one place:
  *   pkv_storage          the pools' element type
  *   pkv_bits             an integer type of the element's size, for raw copies
- *   PKV_SCALED           1 where each row has a float32 scale beside its values
+ *   PKV_VECTOR_ROWS      1 where rows are stored and loaded vector by vector
+ *                        (the three below): any work-item may store a vector
+ *                        of a new row (scatter_kv, the attention kernel's
+ *                        fused store); 0 where a row is stored whole, with a
+ *                        float32 scale (int8: pkv_quantize, pkv_dequantize,
+ *                        the row kernels of kv_pages.cl), and the attention
+ *                        kernel reads rows only through its staged tiles
  *   PKV_VLOAD_S(i, p)    vector i of a stored row as floats (int8: unscaled)
- *   PKV_VSTORE_S(x, i, p)  a float vector into a float format's row (int8 rows
- *                        are written whole by pkv_quantize)
+ *   PKV_VSTORE_S(x, i, p)  a float vector into a row (PKV_VECTOR_ROWS formats)
  *   PKV_ROUND_S(x)       a float vector rounded as the format stores it (what
- *                        a store then a load gives)
+ *                        a store then a load gives; PKV_VECTOR_ROWS formats)
+ *   PKV_ROW_SCALE(scales, row)  what vector loads of the row at element offset
+ *                        `row` are multiplied by: its scale (int8), else 1
  */
 #ifndef PKV_STORAGE_H
 #define PKV_STORAGE_H
@@ -69,8 +76,107 @@ inline pkv_hvec pkv_float_to_bf16(const pkv_vec x) {
 #elif PKV_STORAGE == PKV_STORAGE_INT8
 typedef char pkv_storage;
 typedef char pkv_bits;
-#define PKV_SCALED 1
+#define PKV_VECTOR_ROWS 0
 #define PKV_VLOAD_S(i, p) PKV_CONVERT_VEC(((const __global pkv_cvec*)(p))[i])
+#define PKV_ROW_SCALE(scales, row) ((scales)[(row) / PKV_D])
+#ifndef PKV_ROTATION_BLOCK
+#define PKV_ROTATION_BLOCK 0
+#define PKV_ROTATION_SCALE 1.0f
+#endif
+
+/* The blocked Hadamard rotation and quantizing of int8 rows.
+ * Operation for operation the host's pagedkv/pkv_quant.h (same butterfly
+ * order, the same float32 constant, no fused multiply-adds, IEEE division:
+ * the program is built with -cl-fp32-correctly-rounded-divide-sqrt where
+ * the device has it, round to nearest even), so that both backends store
+ * the same bits. */
+
+/* Rows whose largest magnitude reaches 2**64 are rotated scaled by 2**-64
+ * (exact), as pkv_quant.h explains: a block's butterflies would overflow. */
+#define PKV_ROTATE_BIG 0x1p64f
+#define PKV_ROTATE_SMALL 0x1p-64f
+
+/* max |x[i]|, i < PKV_D (NaN ignored). */
+inline float pkv_row_amax(const float* x) {
+    float amax = 0.0f;
+    for (int i = 0; i < PKV_D; ++i) {
+        const float a = fabs(x[i]);
+        amax = a > amax ? a : amax;
+    }
+    return amax;
+}
+
+/* x[0:PKV_D] <- its blocks times the orthonormal Hadamard matrix, with no
+ * precaution against overflow. */
+inline void pkv_rotate_raw(float* x) {
+#pragma OPENCL FP_CONTRACT OFF
+#if PKV_ROTATION_BLOCK > 1
+    for (int b0 = 0; b0 < PKV_D; b0 += PKV_ROTATION_BLOCK)
+        for (int h = 1; h < PKV_ROTATION_BLOCK; h *= 2)
+            for (int i = b0; i < b0 + PKV_ROTATION_BLOCK; i += 2 * h)
+                for (int j = i; j < i + h; ++j) {
+                    const float a = x[j], c = x[j + h];
+                    x[j] = a + c;
+                    x[j + h] = a - c;
+                }
+    for (int i = 0; i < PKV_D; ++i) x[i] *= PKV_ROTATION_SCALE;
+#endif
+}
+
+/* x[0:PKV_D] <- its blocks times the orthonormal Hadamard matrix (its own
+ * inverse); overflows only where the result does. */
+inline void pkv_rotate(float* x) {
+#pragma OPENCL FP_CONTRACT OFF
+#if PKV_ROTATION_BLOCK > 1
+    const bool big = pkv_row_amax(x) >= PKV_ROTATE_BIG;
+    if (big)
+        for (int i = 0; i < PKV_D; ++i) x[i] *= PKV_ROTATE_SMALL;
+    pkv_rotate_raw(x);
+    if (big)
+        for (int i = 0; i < PKV_D; ++i) x[i] *= PKV_ROTATE_BIG;
+#endif
+}
+
+/* The rotated row y = x (in place) as int8 q = round(y / s), s = max |y| / 127;
+ * returns s (finite for a finite row: a row from 2**64 goes scaled, as in
+ * pkv_quant.h, and x is left scaled). */
+inline float pkv_quantize(float* x, __global char* q) {
+#pragma OPENCL FP_CONTRACT OFF
+#if PKV_ROTATION_BLOCK > 1
+    const bool big = pkv_row_amax(x) >= PKV_ROTATE_BIG;
+    if (big)
+        for (int i = 0; i < PKV_D; ++i) x[i] *= PKV_ROTATE_SMALL;
+#else
+    const bool big = false;
+#endif
+    pkv_rotate_raw(x);
+    const float s = pkv_row_amax(x) / 127.0f;
+    for (int i = 0; i < PKV_D; ++i) {
+        float v = s > 0.0f ? x[i] / s : 0.0f;
+        v = v != v ? 0.0f : (v < -127.0f ? -127.0f : (v > 127.0f ? 127.0f : v));
+        q[i] = (char)rint(v);
+    }
+    return big ? s * PKV_ROTATE_BIG : s;
+}
+
+/* row[0:PKV_D] = the int8 row q * s rotated back (pkv_dequantize of
+ * pkv_quant.h: scaled from s = 2**56, clamped to +-FLT_MAX). */
+inline void pkv_dequantize(__global const char* q, const float s, float* row) {
+#pragma OPENCL FP_CONTRACT OFF
+#if PKV_ROTATION_BLOCK > 1
+    const bool big = s >= 0x1p56f;
+#else
+    const bool big = false;
+#endif
+    const float s_row = big ? s * PKV_ROTATE_SMALL : s;
+    for (int d = 0; d < PKV_D; ++d) row[d] = (float)q[d] * s_row;
+    pkv_rotate_raw(row);
+    if (big)
+        for (int d = 0; d < PKV_D; ++d) {
+            const float x = row[d] * PKV_ROTATE_BIG;
+            row[d] = x > FLT_MAX ? FLT_MAX : (x < -FLT_MAX ? -FLT_MAX : x);
+        }
+}
 #elif PKV_STORAGE == PKV_STORAGE_FLOAT32
 typedef float pkv_storage;
 typedef uint pkv_bits;
@@ -80,8 +186,9 @@ typedef uint pkv_bits;
 #else
 #error "PKV_STORAGE: not a format of pkv_storage.h"
 #endif
-#ifndef PKV_SCALED
-#define PKV_SCALED 0
+#ifndef PKV_VECTOR_ROWS
+#define PKV_VECTOR_ROWS 1
+#define PKV_ROW_SCALE(scales, row) 1.0f
 #endif
 #endif
 

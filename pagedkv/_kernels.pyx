@@ -197,6 +197,59 @@ cdef inline storage_t convert(float x, storage_t* dummy) noexcept nogil:
         return 0
 
 
+cdef inline void store_row(storage_t[:, :, :, ::1] pool, float[:, :, ::1] scales, int64_t page,
+                           Py_ssize_t h, int64_t offset, const float* x, int rotation_block,
+                           float rotation_scale, float* tmp) noexcept nogil:
+    """Row ``x`` (``head_dim`` floats) into the pool at (page, h, offset): int8 rotated
+    and quantized, its scale into ``scales`` (``tmp``: ``head_dim`` floats of
+    scratch); the float formats element by element."""
+    cdef Py_ssize_t d, D = pool.shape[3]
+    cdef storage_t* dummy = NULL
+    if storage_t is int8_t:
+        scales[page, h, offset] = pkv_quantize(x, D, rotation_block, rotation_scale,
+                                               &pool[page, h, offset, 0], tmp)
+    else:
+        for d in range(D):
+            pool[page, h, offset, d] = convert(x[d], dummy)
+
+
+cdef inline void load_row(storage_t[:, :, :, ::1] pool, const float[:, :, ::1] scales,
+                          int64_t page, Py_ssize_t h, int64_t offset, float* out,
+                          int rotation_block, float rotation_scale) noexcept nogil:
+    """The row at (page, h, offset) as ``head_dim`` floats in ``out``: int8
+    dequantized and rotated back, the float formats element by element."""
+    cdef Py_ssize_t d, D = pool.shape[3]
+    if storage_t is int8_t:
+        pkv_dequantize(&pool[page, h, offset, 0], scales[page, h, offset], D,
+                       rotation_block, rotation_scale, out)
+    else:
+        for d in range(D):
+            out[d] = load(pool[page, h, offset, d])
+
+
+cdef inline void rotate_query(float* x, int D, int rotation_block, float rotation_scale,
+                              storage_t* dummy) noexcept nogil:
+    """A query row (``D`` floats, in place) into the stored rows' basis: int8 rows
+    are rotated (so that q.k is unchanged), the float formats' are not."""
+    if storage_t is int8_t:
+        pkv_rotate(x, D, rotation_block, rotation_scale)
+
+
+cdef inline void times_row_scales(float* scores, int ld, int nq, int nt,
+                                  const float[:, :, ::1] scales, int page, int h, int t0,
+                                  storage_t* dummy) noexcept nogil:
+    """``scores[qi * ld + t]`` (qi < nq, t < nt) times the scale of row ``t0 + t`` of
+    (page, h): int8 logits take their key's scale, weights their value's; the
+    float formats' rows have none."""
+    cdef const float* row_scales
+    cdef int qi, t
+    if storage_t is int8_t:
+        row_scales = &scales[page, h, t0]
+        for qi in range(nq):
+            for t in range(nt):
+                scores[qi * ld + t] = scores[qi * ld + t] * row_scales[t]
+
+
 # -- scatter / gather ---------------------------------------------------------------
 
 def scatter(storage_t[:, :, :, ::1] k_pool, storage_t[:, :, :, ::1] v_pool,
@@ -207,9 +260,8 @@ def scatter(storage_t[:, :, :, ::1] k_pool, storage_t[:, :, :, ::1] v_pool,
 
     int8: each row is rotated and quantized, its scale written to ``k_scales``
     / ``v_scales``."""
-    cdef Py_ssize_t t, h, d, H = k.shape[1], D = k.shape[2]
+    cdef Py_ssize_t t, h, H = k.shape[1], D = k.shape[2]
     cdef int64_t slot, page, offset, ps = k_pool.shape[2]
-    cdef storage_t* dummy = NULL
     tmp_buf = np.empty((num_threads, D), dtype=np.float32)
     cdef float[:, ::1] tmp = tmp_buf
     for t in prange(slot_mapping.shape[0], nogil=True, schedule="static",
@@ -220,17 +272,10 @@ def scatter(storage_t[:, :, :, ::1] k_pool, storage_t[:, :, :, ::1] v_pool,
         page = slot // ps
         offset = slot % ps
         for h in range(H):
-            if storage_t is int8_t:
-                k_scales[page, h, offset] = pkv_quantize(
-                    &k[t, h, 0], D, rotation_block, rotation_scale, &k_pool[page, h, offset, 0],
-                    &tmp[threadid(), 0])
-                v_scales[page, h, offset] = pkv_quantize(
-                    &v[t, h, 0], D, rotation_block, rotation_scale, &v_pool[page, h, offset, 0],
-                    &tmp[threadid(), 0])
-            else:
-                for d in range(D):
-                    k_pool[page, h, offset, d] = convert(k[t, h, d], dummy)
-                    v_pool[page, h, offset, d] = convert(v[t, h, d], dummy)
+            store_row(k_pool, k_scales, page, h, offset, &k[t, h, 0], rotation_block,
+                      rotation_scale, &tmp[threadid(), 0])
+            store_row(v_pool, v_scales, page, h, offset, &v[t, h, 0], rotation_block,
+                      rotation_scale, &tmp[threadid(), 0])
 
 
 def gather(storage_t[:, :, :, ::1] pool, const float[:, :, ::1] scales,
@@ -238,18 +283,14 @@ def gather(storage_t[:, :, :, ::1] pool, const float[:, :, ::1] scales,
            float rotation_scale, int num_threads):
     """``out[i]`` ([n, H, D] float32) = the token at ``slots[i]`` of ``pool`` (int8:
     dequantized and rotated back)."""
-    cdef Py_ssize_t i, h, d, H = out.shape[1], D = out.shape[2]
+    cdef Py_ssize_t i, h, H = out.shape[1]
     cdef int64_t page, offset, ps = pool.shape[2]
     for i in prange(slots.shape[0], nogil=True, schedule="static", num_threads=num_threads):
         page = slots[i] // ps
         offset = slots[i] % ps
         for h in range(H):
-            if storage_t is int8_t:
-                pkv_dequantize(&pool[page, h, offset, 0], scales[page, h, offset], D,
-                               rotation_block, rotation_scale, &out[i, h, 0])
-            else:
-                for d in range(D):
-                    out[i, h, d] = load(pool[page, h, offset, d])
+            load_row(pool, scales, page, h, offset, &out[i, h, 0], rotation_block,
+                     rotation_scale)
 
 
 # -- paged attention ----------------------------------------------------------------
@@ -336,8 +377,8 @@ cdef void attend_item(const float[:, :, ::1] q,
     # a lone query (decode without GQA) in tiles of one, not padded to four
     cdef int tile = 1 if nq == 1 else 4
     cdef int tiled = 1 if nq == 1 else nq4
-    cdef int qi, x, hh, d, j, t, t0, t1, nt, page, next_page
-    cdef const float* row_scales
+    cdef int qi, x, hh, d, j, t0, t1, nt, page, next_page
+    cdef storage_t* dummy = NULL
     cdef int64_t first_key
     cdef int last_page = (key1 + ps - 1) // ps
     cdef float* queries = scratch                            # [heads, nq4, D], pre-scaled
@@ -372,8 +413,7 @@ cdef void attend_item(const float[:, :, ::1] q,
             qv = &q[row0 + qi // group, (h0 + x // nq4) * group + qi % group, 0]
             for d in range(D):
                 queries[x * D + d] = qv[d] * scale
-            if storage_t is int8_t:
-                pkv_rotate(queries + x * D, D, rotation_block, rotation_scale)
+            rotate_query(queries + x * D, D, rotation_block, rotation_scale, dummy)
 
     for j in range(key0 // ps, last_page):
         page = page_indices[page_indptr[b] + j]
@@ -400,21 +440,13 @@ cdef void attend_item(const float[:, :, ::1] q,
                 next_values = pkv_prefetch_range(NULL, 0)
             page_scores(queries + hh * nq4 * D, tiled, &k_pool[page, h0 + hh, t0, 0], nt, D,
                         scores, ps, &next_keys, tile)
-            if storage_t is int8_t:
-                row_scales = &k_scales[page, h0 + hh, t0]
-                for qi in range(nq):
-                    for t in range(nt):
-                        scores[qi * ps + t] = scores[qi * ps + t] * row_scales[t]
+            times_row_scales(scores, ps, nq, nt, k_scales, page, h0 + hh, t0, dummy)
             # online softmax: logits become weights, zero outside each row's
             # band, and alphas rescale the accumulators
             pkv_softmax_page(scores, ps, nq, nq4, nt, band, first_key, group, soft_cap,
                              bias_slopes + (h0 + hh) * group if bias_slopes != NULL else NULL,
                              head_max, head_sum, alphas)
-            if storage_t is int8_t:
-                row_scales = &v_scales[page, h0 + hh, t0]
-                for qi in range(nq):
-                    for t in range(nt):
-                        scores[qi * ps + t] = scores[qi * ps + t] * row_scales[t]
+            times_row_scales(scores, ps, nq, nt, v_scales, page, h0 + hh, t0, dummy)
             for x in range(tiled // tile):
                 qi = x * tile
                 page_accumulate_band(head_acc, alphas, scores, ps, &v_pool[page, h0 + hh, t0, 0],
@@ -501,6 +533,7 @@ cdef void attend_item_blocks(const float[:, :, ::1] q,
     cdef float scale = params.scale, soft_cap = params.soft_cap
     cdef float rotation_scale = params.rotation_scale
     cdef int D = q.shape[2], group = q.shape[1] // k_pool.shape[1]
+    cdef storage_t* dummy = NULL
     cdef int nq = (row1 - row0) * group
     cdef int nq4 = padded_queries(nq), nqp = pkv_block_queries(nq)
     cdef int ld = pkv_block_stride(nqp), ks = pkv_block_stride(D)
@@ -538,8 +571,7 @@ cdef void attend_item_blocks(const float[:, :, ::1] q,
                 qv = &q[row0 + qi // group, (h0 + hh) * group + qi % group, 0]
                 for d in range(D):
                     q_row[d] = qv[d] * scale
-                if storage_t is int8_t:
-                    pkv_rotate(q_row, D, rotation_block, rotation_scale)
+                rotate_query(q_row, D, rotation_block, rotation_scale, dummy)
                 for d in range(D):
                     qt[d * ld + qi] = q_row[d]
             else:

@@ -346,12 +346,10 @@ class _Contents:
         config = self.config
         out = []
         for layer, n in enumerate(counts):
-            shape = (n, config["num_kv_heads"], config["head_dim"])
-            values = [self._take(f"{prefix}.{name}.{layer}", storage.element, shape)
-                      for name in ("k", "v")]
-            scales = [self._take(f"{prefix}.{name}.{layer}", np.float32, shape[:2])
-                      for name in ("k_scales", "v_scales")] if storage.scaled else [None, None]
-            out.append(StoredRows(*values, *scales))
+            out.append(StoredRows(**{
+                part.field: self._take(f"{prefix}.{part.field}.{layer}", part.dtype,
+                                       (n, config["num_kv_heads"]) + part.row_shape)
+                for part in storage.copy_set(config["head_dim"])}))
         return out
 
     def _storage(self, rotation):
@@ -383,10 +381,7 @@ class _Contents:
             num_tokens=num_tokens, num_kv_heads=self.config["num_kv_heads"],
             head_dim=self.config["head_dim"], dtype=storage.name,
             rotation_block=storage.rotation_block, layer_start=tuple(starts),
-            keys=tuple(r.k for r in rows), values=tuple(r.v for r in rows),
-            key_scales=tuple(r.k_scales for r in rows) if storage.scaled else None,
-            value_scales=tuple(r.v_scales for r in rows) if storage.scaled else None,
-            token_ids=tokens)
+            **transfer.layer_arrays(storage, rows), token_ids=tokens)
         try:
             return kv.check(f"sequences[{i}]")
         except ValueError as exc:

@@ -4,7 +4,11 @@ A :class:`StorageFormat` says what a pool element is, whether rows carry a
 scale, how rows are rotated, how many bytes a page takes and how the kernels
 are built for it.  Adding a format means an entry in ``opencl/pkv_storage.h``,
 one here, and its load/store helpers in the kernels; callers only read the
-description.
+description: which pools a layer has (:meth:`StorageFormat.copy_set`), the
+rotation the kernels apply (:attr:`StorageFormat.rotation`), which OpenCL
+kernels move its rows (:attr:`StorageFormat.opencl_kernels`) and how they
+are built (:meth:`StorageFormat.opencl_options`).  Nothing outside this
+module and the kernels' load/store helpers asks which format it is.
 
 int8: each row (one token, one KV head, ``head_dim`` values) is first rotated
 by an orthonormal Hadamard transform in blocks of ``rotation_block`` values
@@ -23,6 +27,7 @@ the even neighbour, overflow to inf); NaN stays NaN (quieted, sign kept).
 float32's range with 8 bits of mantissa, at float16's two bytes a value.
 """
 from dataclasses import dataclass
+from typing import NamedTuple, Tuple
 
 import numpy as np
 
@@ -31,6 +36,86 @@ from pagedkv.backends.kernel_source import storage_kinds
 #: The formats' kernel indices, from ``opencl/pkv_storage.h`` (e.g. ``KINDS.INT8``).
 KINDS = storage_kinds()
 _MAX_ROTATION_BLOCK = 256
+_SCALE = np.dtype(np.float32)
+
+
+class PoolPart(NamedTuple):
+    """One pool of a layer's copy set: what ``copy_pages`` copies, ``read_rows``
+    reads and ``write_rows`` writes, and what a backend allocates.
+
+    Attributes
+    ----------
+    field : str
+        Its :class:`pagedkv.backends.base.StoredRows` field (``"k"``, ``"v"``,
+        ``"k_scales"``, ``"v_scales"``), which is also the kernels' argument
+        name for it, less the values' ``_pool``: see :attr:`argument`.
+    dtype : numpy.dtype
+        What a stored row holds (the bits ``read_rows`` returns).
+    kernel_dtype : numpy.dtype
+        What the host kernels are handed (``StorageFormat.kernel_element``
+        for values).
+    row_shape : tuple of int
+        The shape of one row: ``(head_dim,)`` values, or ``()`` (one scale).
+    """
+    field: str
+    dtype: np.dtype
+    kernel_dtype: np.dtype
+    row_shape: Tuple[int, ...]
+
+    @property
+    def argument(self):
+        """The kernels' argument name of this pool (``k_pool``, ``k_scales``, ...)."""
+        return self.field + "_pool" if self.field in ("k", "v") else self.field
+
+    @property
+    def row_elements(self):
+        """Elements of one row."""
+        return int(np.prod(self.row_shape, dtype=np.int64))
+
+    @property
+    def row_bytes(self):
+        """Bytes of one row."""
+        return self.row_elements * self.dtype.itemsize
+
+
+class OpenCLKernels(NamedTuple):
+    """The ``kv_pages.cl`` kernels that move one format's rows.
+
+    Attributes
+    ----------
+    scatter, gather : str
+        The kernels that store float rows into the pools and load them back
+        as floats; they take the copy set's pools (:attr:`PoolPart.argument`).
+    rotations : tuple of str
+        Kernels ``(x, n)`` that turn ``n`` float rows in place into the
+        stored rows' basis and back (their own inverse): run on the queries
+        before attention and on its output after; none for a format whose
+        rows are stored unrotated.
+    whole_rows : bool
+        Whether ``scatter`` and ``gather`` take one work-item per row (a row
+        quantized whole) instead of one per vector.
+    fused_store : bool
+        Whether the attention kernel may store a step's new rows itself
+        (vector by vector, as ``scatter`` does).
+    staged_only : bool
+        Whether the attention kernel must stage K and V rows (convert them
+        into local tiles): ``stage_k`` and ``stage_v`` must stay on.
+    exact_division : bool
+        Whether storing divides, so that the program must be built with
+        correctly rounded division (where the device has it) to store the
+        host's bits.
+    """
+    scatter: str
+    gather: str
+    rotations: Tuple[str, ...]
+    whole_rows: bool
+    fused_store: bool
+    staged_only: bool
+    exact_division: bool
+
+    def items_per_row(self, head_dim, vector_width):
+        """Work-items of ``scatter`` and ``gather`` per stored row."""
+        return 1 if self.whole_rows else head_dim // vector_width
 
 
 @dataclass(frozen=True)
@@ -68,21 +153,57 @@ class StorageFormat:
         return float(np.float32(1.0) / np.sqrt(np.float32(self.rotation_block))) \
             if self.rotation_block else 1.0
 
+    @property
+    def rotation(self):
+        """The host kernels' ``(rotation_block, rotation_scale)``: ``(0, 1.0)`` for rows
+        stored unrotated, which the kernels then leave as they are."""
+        return self.rotation_block, self.rotation_scale
+
+    def copy_set(self, head_dim):
+        """The pools of one layer, as :class:`PoolPart` in :class:`StoredRows` order:
+        K and V values, then (int8) K and V row scales."""
+        values = (head_dim,)
+        parts = [PoolPart("k", self.element, self.kernel_element, values),
+                 PoolPart("v", self.element, self.kernel_element, values)]
+        if self.scaled:
+            parts += [PoolPart("k_scales", _SCALE, _SCALE, ()),
+                      PoolPart("v_scales", _SCALE, _SCALE, ())]
+        return tuple(parts)
+
+    @property
+    def fields(self):
+        """The :class:`StoredRows` fields of the copy set, in its order."""
+        return tuple(part.field for part in self.copy_set(1))
+
+    @property
+    def opencl_kernels(self):
+        """The :class:`OpenCLKernels` of this format."""
+        if self.scaled:
+            return OpenCLKernels("scatter_kv_int8", "gather_kv_int8",
+                                 ("rotate_rows",) if self.rotation_block else (),
+                                 whole_rows=True, fused_store=False, staged_only=True,
+                                 exact_division=True)
+        return OpenCLKernels("scatter_kv", "gather_kv", (), whole_rows=False,
+                             fused_store=True, staged_only=False, exact_division=False)
+
     def row_bytes(self, head_dim):
         """Bytes of one stored row: values, plus its scale."""
-        return head_dim * self.element.itemsize + (4 if self.scaled else 0)
+        return sum(part.row_bytes for part in self.copy_set(head_dim)) // 2
 
     def page_bytes(self, num_kv_heads, page_size, head_dim):
         """Bytes of one page of one pool (K or V) of one layer."""
         return num_kv_heads * page_size * self.row_bytes(head_dim)
 
-    def opencl_options(self):
-        """Build options of ``opencl/pkv_common.h`` for this format."""
+    def opencl_options(self, exact_division=False):
+        """Build options of ``opencl/pkv_common.h`` for this format; ``exact_division``:
+        the device divides correctly rounded when asked (``OpenCLKernels.exact_division``)."""
         options = [f"-DPKV_STORAGE={self.kind}"]
         if self.rotation_block:
             # as a hex float, so that the device rounds nothing: the host's exact constant
             options += [f"-DPKV_ROTATION_BLOCK={self.rotation_block}",
                         f"-DPKV_ROTATION_SCALE={float(self.rotation_scale).hex()}f"]
+        if exact_division and self.opencl_kernels.exact_division:
+            options.append("-cl-fp32-correctly-rounded-divide-sqrt")
         return tuple(options)
 
 

@@ -133,12 +133,12 @@ class SequenceKV:
                 or not 0 <= s <= self.num_tokens for s in starts):
             raise ValueError(f"{name}.layer_start: expected a non-empty tuple of ints in "
                              f"[0, num_tokens={self.num_tokens}], got {starts!r}"[:200])
-        arrays = {"keys": (self.keys, storage.element, 3),
-                  "values": (self.values, storage.element, 3)}
-        for field in ("key_scales", "value_scales"):
+        parts = {part.field: part for part in storage.copy_set(self.head_dim)}
+        arrays = {}
+        for field, part in _LAYER_FIELDS.items():
             given = getattr(self, field)
-            if storage.scaled:
-                arrays[field] = (given, np.dtype(np.float32), 2)
+            if part in parts:
+                arrays[field] = (given, parts[part].dtype, 2 + len(parts[part].row_shape))
             elif given is not None:
                 raise ValueError(f"{name}.{field}: {self.dtype} rows have no scales; "
                                  f"expected None")
@@ -162,6 +162,20 @@ class SequenceKV:
         return self
 
 
+#: SequenceKV's per-layer fields, and the StoredRows field each holds.
+_LAYER_FIELDS = {"keys": "k", "values": "v", "key_scales": "k_scales",
+                 "value_scales": "v_scales"}
+
+
+def layer_arrays(storage, rows):
+    """SequenceKV's ``keys``, ``values``, ``key_scales`` and ``value_scales`` from
+    per-layer StoredRows ``rows`` in ``storage``: a tuple of arrays (one a layer)
+    for each pool of its copy set, None for the others."""
+    fields = storage.fields
+    return {field: tuple(getattr(r, part) for r in rows) if part in fields else None
+            for field, part in _LAYER_FIELDS.items()}
+
+
 def _window_pool(cache):
     """The cache's sliding-window pool manager, or None."""
     # (a loop: an unfinished generator is closed later, where an error raised in it is lost)
@@ -182,8 +196,8 @@ def rows_in_one_buffer(storage, counts, num_kv_heads, head_dim):
     shapes = []                        # per layer: k, v (and their scales), as StoredRows
     for n in counts:
         values = (n, num_kv_heads, head_dim)
-        shapes.append([(values, storage.element)] * 2 +
-                      ([(values[:2], np.dtype(np.float32))] * 2 if storage.scaled else []))
+        shapes.append([(values[:2] + part.row_shape, part.dtype)
+                       for part in storage.copy_set(head_dim)])
     sizes = [-(-int(np.prod(shape)) * dtype.itemsize // 64) * 64      # 64-byte aligned
              for layer in shapes for shape, dtype in layer]
     buffer = np.empty(sum(sizes), np.uint8)
@@ -214,14 +228,10 @@ def export_sequence(cache, seq_id):
     for layer, pool in enumerate(cache._layer_pool):
         cache._backend.read_rows(layer, slots[pool.name], rows[layer])
     tokens = tables.known_tokens(seq_id) if cache.prefix_caching else None
-    scaled = cache.storage.scaled
     return SequenceKV(
         num_tokens=length, num_kv_heads=cache.num_kv_heads, head_dim=cache.head_dim,
         dtype=cache.storage.name, rotation_block=cache.storage.rotation_block,
-        layer_start=tuple(layer_start), keys=tuple(r.k for r in rows),
-        values=tuple(r.v for r in rows),
-        key_scales=tuple(r.k_scales for r in rows) if scaled else None,
-        value_scales=tuple(r.v_scales for r in rows) if scaled else None,
+        layer_start=tuple(layer_start), **layer_arrays(cache.storage, rows),
         token_ids=tokens if tokens is not None and len(tokens) == length else None)
 
 

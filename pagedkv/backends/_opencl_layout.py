@@ -89,7 +89,8 @@ class KernelLayout:
         import pyopencl as cl
         from pagedkv.storage import storage_format
         self.storage = storage_format("float32", head_dim) if storage is None else storage
-        # rounding the int8 quotients exactly as the host does needs IEEE division
+        # formats whose stores divide round the quotients exactly as the host
+        # does with IEEE division (OpenCLKernels.exact_division)
         self.exact_division = bool(getattr(device, "single_fp_config", 0) & getattr(
             cl.device_fp_config, "CORRECTLY_ROUNDED_DIVIDE_SQRT", 0))
         # The GPU shape whenever the device says GPU, even if it says CPU as well
@@ -118,7 +119,7 @@ class KernelLayout:
                                self.query_tile)
         self.stage_k = overrides.get("stage_k", True)
         self.stage_v = overrides.get("stage_v", True)
-        if self.storage.scaled and not (self.stage_k and self.stage_v):
+        if self.storage.opencl_kernels.staged_only and not (self.stage_k and self.stage_v):
             raise ValueError(f"backend_options: layout: {self.storage.name} rows are "
                              f"dequantized into the staged tiles; stage_k and stage_v must stay on")
         # the merge spreads a query block's vectors over work-items, even on a CPU,
@@ -164,7 +165,7 @@ class KernelLayout:
             return dict(overrides, chunk=self.chunk // 2)
         if self.max_queries > self.query_tile:
             return dict(overrides, chunk=self.chunk, max_queries=self.max_queries // 2)
-        if staging and not self.storage.scaled:
+        if staging and not self.storage.opencl_kernels.staged_only:
             return dict(overrides, stage_k=False, stage_v=False, chunk=first_chunk,
                         max_queries=self.max_queries)
         raise ValueError(f"head_dim: {self._device_name} has too little local memory "
@@ -274,9 +275,7 @@ class KernelLayout:
 
     def storage_options(self):
         """Build options of ``opencl/pkv_common.h`` (all that ``kv_pages.cl`` needs)."""
-        exact = ("-cl-fp32-correctly-rounded-divide-sqrt",) \
-            if self.storage.scaled and self.exact_division else ()
-        return self.storage.opencl_options() + exact + (
+        return self.storage.opencl_options(self.exact_division) + (
             f"-DPKV_HEAD_DIM={self.head_dim}", f"-DPKV_VW={self.vector_width}")
 
     def __repr__(self):

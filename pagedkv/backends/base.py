@@ -74,7 +74,7 @@ class StoredRows(NamedTuple):
     ----------
     k, v : ndarray, shape [n, num_kv_heads, head_dim], ``storage.element``
     k_scales, v_scales : ndarray, shape [n, num_kv_heads], float32, or None
-        Each row's scale (formats with ``storage.scaled``); None otherwise.
+        Each row's scale (formats whose ``storage.copy_set`` has them); None otherwise.
     """
     k: np.ndarray
     v: np.ndarray
@@ -85,10 +85,9 @@ class StoredRows(NamedTuple):
 def empty_rows(storage: "StorageFormat", num_rows: int, num_kv_heads: int,
                head_dim: int) -> StoredRows:
     """New :class:`StoredRows` of ``num_rows`` rows in ``storage`` (uninitialised)."""
-    values = (num_rows, num_kv_heads, head_dim)
-    return StoredRows(np.empty(values, storage.element), np.empty(values, storage.element),
-                      *((np.empty(values[:2], np.float32), np.empty(values[:2], np.float32))
-                        if storage.scaled else ()))
+    return StoredRows(**{part.field: np.empty((num_rows, num_kv_heads) + part.row_shape,
+                                              part.dtype)
+                         for part in storage.copy_set(head_dim)})
 
 
 class Backend(ABC):

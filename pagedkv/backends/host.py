@@ -88,14 +88,18 @@ class HostBackend(Backend):
         if options:
             raise ValueError(f"backend_options: the host backend takes none, got {options!r}")
         self.storage = storage
-        # pools hold storage.kernel_element (float16 as its uint16 bits); a scaled
-        # format's row scales sit beside them, per page, in [pages, H, page_size]
-        rows = [(n, num_kv_heads, page_size) for n in layer_pages]
-        self._k = [np.zeros(r + (head_dim,), storage.kernel_element) for r in rows]
-        self._v = [np.zeros(r + (head_dim,), storage.kernel_element) for r in rows]
-        scales = rows if storage.scaled else [(1, 1, 1)] * len(rows)
-        self._k_scales = [np.zeros(r, np.float32) for r in scales]
-        self._v_scales = [np.zeros(r, np.float32) for r in scales]
+        # per layer, the format's copy set: values as storage.kernel_element
+        # (float16 as its uint16 bits), and row scales where the format has
+        # them, per page, in [pages, H, page_size]
+        self._copy_set = storage.copy_set(head_dim)
+        self._pools = [{part.field: np.zeros((n, num_kv_heads, page_size) + part.row_shape,
+                                             part.kernel_dtype) for part in self._copy_set}
+                       for n in layer_pages]
+        self._k = [pools["k"] for pools in self._pools]
+        self._v = [pools["v"] for pools in self._pools]
+        # the kernels take scale pools of every format: placeholders where it has none
+        self._k_scales = [pools.get("k_scales", _no_scales()) for pools in self._pools]
+        self._v_scales = [pools.get("v_scales", _no_scales()) for pools in self._pools]
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.page_size = page_size
@@ -103,8 +107,7 @@ class HostBackend(Backend):
 
     @property
     def memory_bytes(self):
-        pools = self._k + self._v + (self._k_scales + self._v_scales if self.storage.scaled else [])
-        return sum(pool.nbytes for pool in pools)
+        return sum(pool.nbytes for pools in self._pools for pool in pools.values())
 
     @staticmethod
     def _host_f32(x):
@@ -115,16 +118,14 @@ class HostBackend(Backend):
 
     def copy_pages(self, src, dst, layers):
         for layer in layers:
-            pools = (self._k, self._v) + ((self._k_scales, self._v_scales)
-                                          if self.storage.scaled else ())
-            for pool in pools:
-                pool[layer][dst] = pool[layer][src]
+            for pool in self._pools[layer].values():
+                pool[dst] = pool[src]
 
     def store(self, layer, tables, k, v):
         k, v = self._host_f32(k), self._host_f32(v)
         _kernels.scatter(self._k[layer], self._v[layer], self._k_scales[layer],
                          self._v_scales[layer], tables.slot_mapping, k, v,
-                         self.storage.rotation_block, self.storage.rotation_scale,
+                         *self.storage.rotation,
                          _fork_safe(_threads_for(k.size, self.num_threads)))
 
     def attention(self, layer, tables, q, spec, out=None, lse=None):
@@ -199,19 +200,15 @@ class HostBackend(Backend):
         k = np.empty(shape, dtype=np.float32)
         v = np.empty(shape, dtype=np.float32)
         threads = _fork_safe(_threads_for(k.size, self.num_threads))
-        rotation = (self.storage.rotation_block, self.storage.rotation_scale)
+        rotation = self.storage.rotation
         _kernels.gather(self._k[layer], self._k_scales[layer], slots, k, *rotation, threads)
         _kernels.gather(self._v[layer], self._v_scales[layer], slots, v, *rotation, threads)
         return k, v
 
     def _row_pools(self, layer):
-        """The layer's pools as ``[pages, H, page_size, row]`` arrays: K and V values,
-        then (scaled formats) K and V scales as rows of one float."""
-        pools = [self._k[layer], self._v[layer]]
-        if self.storage.scaled:
-            pools += [s.reshape(s.shape + (1,)) for s in (self._k_scales[layer],
-                                                          self._v_scales[layer])]
-        return pools
+        """The layer's copy set as ``[pages, H, page_size, row]`` arrays, in
+        :class:`StoredRows` order (a scale is a row of one float)."""
+        return [pool.reshape(pool.shape[:3] + (-1,)) for pool in self._pools[layer].values()]
 
     def read_rows(self, layer, slots, out=None):
         if out is None:
@@ -222,11 +219,16 @@ class HostBackend(Backend):
         return out
 
     def write_rows(self, layer, slots, rows):
-        given = [rows.k, rows.v] + ([rows.k_scales, rows.v_scales] if self.storage.scaled else [])
+        given = [getattr(rows, part.field) for part in self._copy_set]
         for pool, x in zip(self._row_pools(layer), given):
             x = np.ascontiguousarray(x).view(pool.dtype).reshape(len(slots), self.num_kv_heads,
                                                                  pool.shape[3])
             _rows.write_rows(_as_bytes(pool), slots, _as_bytes(x))
+
+
+def _no_scales():
+    """The scale pool the kernels take for a format without scales (never read)."""
+    return np.zeros((1, 1, 1), np.float32)
 
 
 def _as_bytes(x):
@@ -243,7 +245,7 @@ def decode_rows(storage, values, scales=None):
     storage : StorageFormat
     values : ndarray, shape [n, num_kv_heads, head_dim], ``storage.element``
     scales : ndarray, shape [n, num_kv_heads], float32, optional
-        Required when ``storage.scaled``.
+        Required when ``storage.copy_set`` has scales.
 
     Returns
     -------
@@ -254,10 +256,10 @@ def decode_rows(storage, values, scales=None):
     # memoryview wants a writable pool: a read-only one, e.g. from Ray, is copied)
     pool = np.require(values, requirements=("C", "W")).view(storage.kernel_element) \
         .reshape(n, num_kv_heads, 1, head_dim)
-    scale_pool = np.ascontiguousarray(scales, dtype=np.float32).reshape(n, num_kv_heads, 1) \
-        if storage.scaled else np.zeros((1, 1, 1), np.float32)
+    scale_pool = _no_scales() if scales is None else \
+        np.ascontiguousarray(scales, dtype=np.float32).reshape(n, num_kv_heads, 1)
     out = np.empty((n, num_kv_heads, head_dim), np.float32)
     threads = _fork_safe(_threads_for(out.size, _max_threads()))
     _kernels.gather(pool, scale_pool, np.arange(n, dtype=np.int64), out,
-                    storage.rotation_block, storage.rotation_scale, threads)
+                    *storage.rotation, threads)
     return out

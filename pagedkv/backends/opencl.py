@@ -228,25 +228,28 @@ class OpenCLBackend(Backend):
         self.last_loop_counts = None
         self._pending = None   # a _PendingStore
         self._work = {}        # name -> reusable buffer (_work_buffer)
+        # per layer, a buffer per pool of the format's copy set (values, and row
+        # scales where the format has them), by field
+        self._copy_set = storage.copy_set(head_dim)
+        self._pools: list = []
         try:
-            self._k: list = []
-            self._v: list = []
-            self._k_scales: list = []
-            self._v_scales: list = []
             for pages in layer_pages:
-                nbytes = pages * self._page_elems * storage.element.itemsize
-                scale_bytes = pages * self._page_elems // head_dim * 4
-                for pools, size in ((self._k, nbytes), (self._v, nbytes)) + (
-                        ((self._k_scales, scale_bytes), (self._v_scales, scale_bytes))
-                        if storage.scaled else ()):
+                pools = {}
+                for part in self._copy_set:
+                    size = pages * num_kv_heads * page_size * part.row_bytes
                     buf = cl.Buffer(self.context, cl.mem_flags.READ_WRITE, size)
                     # zeros, like the host backend: a slot never stored reads back as 0
                     cl.enqueue_fill_buffer(self.queue, buf, np.zeros(1, np.uint8), 0, size)
-                    pools.append(buf)
+                    pools[part.field] = buf
+                self._pools.append(pools)
             self.queue.finish()
         except cl.MemoryError as exc:
             raise MemoryError(f"num_pages: cannot allocate {self.memory_bytes} bytes of K/V "
                               f"on {device_name}: {exc}") from None
+        self._k = [pools["k"] for pools in self._pools]
+        self._v = [pools["v"] for pools in self._pools]
+        self._k_scales = [pools["k_scales"] for pools in self._pools if "k_scales" in pools]
+        self._v_scales = [pools["v_scales"] for pools in self._pools if "v_scales" in pools]
 
     @staticmethod
     def _check_options(options):
@@ -291,12 +294,12 @@ class OpenCLBackend(Backend):
                 min(fits, self.layout.work_group_size)), merge_work_group_size=_floor_pow2(
                 min(merge_fits, self.layout.merge_work_group_size)))
         pages = build_program(self.context, "kv_pages.cl", self.layout.storage_options())
-        scaled = self.storage.scaled
-        self._k_scatter = pages["scatter_kv_int8" if scaled else "scatter_kv"]
-        self._k_gather = pages["gather_kv_int8" if scaled else "gather_kv"]
+        kernels = self.storage.opencl_kernels
+        self._k_scatter = pages[kernels.scatter]
+        self._k_gather = pages[kernels.gather]
         self._k_copy = pages["copy_pages"]
         self._k_half = pages["half_to_float"]
-        self._k_rotate = pages.get("rotate_rows")
+        self._k_rotations = [pages[name] for name in kernels.rotations]
         # raw rows (read_rows / write_rows), by the bytes of the unit they move
         self._k_rows = {4: (pages["read_rows_u32"], pages["write_rows_u32"]),
                         1: (pages["read_rows_u8"], pages["write_rows_u8"])}
@@ -304,9 +307,11 @@ class OpenCLBackend(Backend):
             _COPY_WORK_GROUP, self.device.max_work_item_sizes[0],
             *(k.work_group_limit(self.device) for k in pages.values())))
         # the attention kernel stages K/V rows, where it can take the new ones
-        # from the store's input; int8 rows are quantized whole by scatter_kv_int8
-        self._fuses_store = not self.storage.scaled and self.layout.stage_k and \
+        # from the store's input (formats that store vector by vector)
+        self._fuses_store = kernels.fused_store and self.layout.stage_k and \
             self.layout.stage_v
+        # work-items per stored row of scatter and gather
+        self._rows_or_vectors = kernels.items_per_row(self.head_dim, self.layout.vector_width)
 
     # -- helpers --------------------------------------------------------------------
     @property
@@ -315,21 +320,21 @@ class OpenCLBackend(Backend):
             self.num_kv_heads, self.page_size, self.head_dim)
 
     def _scales(self, layer):
-        """The layer's K and V scale buffers (placeholders for float formats)."""
-        if not self.storage.scaled:
-            return self._placeholder, self._placeholder
-        return self._k_scales[layer], self._v_scales[layer]
+        """The layer's K and V scale buffers as the attention kernel takes them
+        (placeholders for a format without scales)."""
+        pools = self._pools[layer]
+        return pools.get("k_scales", self._placeholder), pools.get("v_scales", self._placeholder)
 
-    @property
-    def _rows_or_vectors(self):
-        """Work-items per stored row of the data-movement kernels: int8 rows are
-        quantized whole by one work-item, float rows one vector per work-item."""
-        return 1 if self.storage.scaled else self.head_dim // self.layout.vector_width
+    def _pool_args(self, layer):
+        """The layer's copy set as scatter and gather take it, by argument name."""
+        pools = self._pools[layer]
+        return {part.argument: pools[part.field] for part in self._copy_set}
 
     def _rotate(self, x, rows):
-        """Rotate the first ``rows`` rows of float32 device buffer (or array) ``x`` in
-        place (int8 formats); returns the kernel's event."""
-        return self._launch(self._k_rotate, rows, x=x, n=rows)
+        """The format's rotations (``OpenCLKernels.rotations``; often none) of the
+        first ``rows`` rows of float32 device buffer (or array) ``x``, in place;
+        returns their events."""
+        return [self._launch(kernel, rows, x=x, n=rows) for kernel in self._k_rotations]
 
     def _upload(self, array, dtype=None):
         """A device copy (a pyopencl Buffer, :func:`_buffer_holding`) of a non-empty
@@ -443,14 +448,18 @@ class OpenCLBackend(Backend):
         if not len(src):
             return
         src_d, dst_d = self._upload(src.astype(np.int32)), self._upload(dst.astype(np.int32))
-        scale_page_bytes = 4 * self._page_elems // self.head_dim
+        # copy_pages moves elements of the values' size (pkv_bits): a K pool and
+        # its V pool at once, values and then the scales, by the rows' units
+        rows = self.num_kv_heads * self.page_size
+        item = self.storage.element.itemsize
+        parts = self._copy_set
         for layer in layers:
-            pools = [(self._k[layer], self._v[layer], self._page_elems)]
-            if self.storage.scaled:   # copy_pages moves bytes in int8 builds: scales too
-                pools.append((self._k_scales[layer], self._v_scales[layer], scale_page_bytes))
-            for k_pool, v_pool, elems in pools:
-                self._launch(self._k_copy, len(src) * elems, k_pool=k_pool, v_pool=v_pool,
-                             src=src_d, dst=dst_d, num_copies=len(src), page_elems=elems,
+            pools = self._pools[layer]
+            for k_part, v_part in zip(parts[0::2], parts[1::2]):
+                elems = rows * k_part.row_bytes // item
+                self._launch(self._k_copy, len(src) * elems, k_pool=pools[k_part.field],
+                             v_pool=pools[v_part.field], src=src_d, dst=dst_d,
+                             num_copies=len(src), page_elems=elems,
                              num_pages=self.layer_pages[layer])
 
     def store(self, layer, tables, k, v):
@@ -469,14 +478,12 @@ class OpenCLBackend(Backend):
 
     def _scatter(self, layer, tables, k, v, wait_for=None):
         """Queue the scatter of device K/V ``k``, ``v`` into layer ``layer``; its event."""
-        scales = dict(zip(("k_scales", "v_scales"), self._scales(layer))) \
-            if self.storage.scaled else {}
         return self._launch(
             self._k_scatter, tables.num_tokens * self.num_kv_heads * self._rows_or_vectors,
             wait_for=wait_for, k=k, v=v, slot_mapping=tables.device.slot_mapping,
-            k_pool=self._k[layer], v_pool=self._v[layer], num_tokens=tables.num_tokens,
+            num_tokens=tables.num_tokens,
             num_kv_heads=self.num_kv_heads, page_size=self.page_size,
-            num_slots=self.layer_pages[layer] * self.page_size, **scales)
+            num_slots=self.layer_pages[layer] * self.page_size, **self._pool_args(layer))
 
     def _hand_back(self, *arrays, event):
         """Order the caller's later writes to its pyopencl ``arrays`` after ``event``
@@ -513,7 +520,7 @@ class OpenCLBackend(Backend):
             return result
         qd, q_wait = self._device_f32(q, "q")
         rows = q.shape[0] * q.shape[1]
-        if self.storage.rotation_block:   # rotated like the stored rows (a private copy)
+        if self._k_rotations:   # rotated like the stored rows (a private copy)
             if qd is q:
                 qd = qd.copy(queue=self.queue)
             self._rotate(qd, rows)
@@ -571,8 +578,7 @@ class OpenCLBackend(Backend):
                 part_acc=part_acc, part_max=part_max, part_sum=part_sum, group=plan.group,
                 num_groups=plan.num_groups, sinks=sinks, has_sinks=spec.sinks is not None,
                 out=out_d, lse=lse_d, has_lse=lse is not None, loop_counts=merge_counts))
-        if self.storage.rotation_block:   # the output, back from the rotated basis
-            events.append(self._rotate(out_d, rows))
+        events += self._rotate(out_d, rows)   # the output, back from the rotated basis
         self._last_events = events
         if counting:
             counts = [np.empty(num_groups * wg, np.int32),
@@ -634,13 +640,11 @@ class OpenCLBackend(Backend):
             return k, v
         slots_d = self._upload(slots.astype(np.int64))
         kd, vd = self._zeros(k.nbytes), self._zeros(v.nbytes)
-        scales = dict(zip(("k_scales", "v_scales"), self._scales(layer))) \
-            if self.storage.scaled else {}
         self._launch(self._k_gather, n * self.num_kv_heads * self._rows_or_vectors,
-                     k_pool=self._k[layer], v_pool=self._v[layer], slots=slots_d, k_out=kd,
+                     slots=slots_d, k_out=kd,
                      v_out=vd, num_slots_wanted=n, num_kv_heads=self.num_kv_heads,
                      page_size=self.page_size, num_slots=self.layer_pages[layer] * self.page_size,
-                     **scales)
+                     **self._pool_args(layer))
         # one wait: the queue is in order, so the blocking read comes last
         self._cl.enqueue_copy(self.queue, k, kd, is_blocking=False)
         self._cl.enqueue_copy(self.queue, v, vd)
@@ -648,13 +652,10 @@ class OpenCLBackend(Backend):
 
     # -- stored rows (export, import, swap) -------------------------------------------
     def _row_buffers(self, layer):
-        """The layer's pools with the bytes of one of their rows: K and V values, then
-        (scaled formats) K and V scales."""
-        value_bytes = self.head_dim * self.storage.element.itemsize
-        pools = [(self._k[layer], value_bytes), (self._v[layer], value_bytes)]
-        if self.storage.scaled:
-            pools += [(self._k_scales[layer], 4), (self._v_scales[layer], 4)]
-        return pools
+        """The layer's copy set, in :class:`StoredRows` order, each pool with the bytes
+        of one of its rows."""
+        pools = self._pools[layer]
+        return [(pools[part.field], part.row_bytes) for part in self._copy_set]
 
     def _rows_call(self, which, layer, slots_d, n, pool, row_bytes, rows):
         """Queue the raw-row kernel ``which`` (0 read, 1 write) over ``n`` rows."""
@@ -685,7 +686,7 @@ class OpenCLBackend(Backend):
         n = len(slots)
         if not n:
             return
-        given = [rows.k, rows.v] + ([rows.k_scales, rows.v_scales] if self.storage.scaled else [])
+        given = [getattr(rows, part.field) for part in self._copy_set]
         slots_d = self._upload(slots.astype(np.int64))
         for (pool, row_bytes), x in zip(self._row_buffers(layer), given):
             self._rows_call(1, layer, slots_d, n, pool, row_bytes, self._upload(x))
