@@ -30,7 +30,7 @@ from _common import StreamRead, backends_parser, best_seconds, fmt_table, run_ea
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
 OWN = 64
 #: every group of two or more reads its run once: for the crossover table
-ALWAYS = CascadePolicy(min_saved_bytes=0, min_shared_keys=1)
+ALWAYS = CascadePolicy(min_run_bytes=0, min_shared_keys=1)
 
 
 def forked(backend, cascade, prefix, sharers, own=OWN, policy=None):
@@ -88,11 +88,14 @@ def sgemm_flops():
     return 2 * 2048 ** 3 / best_seconds(lambda: a @ a, repeat=5)
 
 
-def attention_pair(backend, prefix, sharers, policy=None):
+def attention_pair(backend, prefix, sharers, policy=None, auto_first=True):
     q = np.random.default_rng(1).standard_normal((sharers, NUM_HEADS, HEAD_DIM),
                                                  dtype=np.float32)
-    auto, a_batch = forked(backend, "auto", prefix, sharers, policy=policy)
+    if auto_first:
+        auto, a_batch = forked(backend, "auto", prefix, sharers, policy=policy)
     off, o_batch = forked(backend, "off", prefix, sharers)
+    if not auto_first:
+        auto, a_batch = forked(backend, "auto", prefix, sharers, policy=policy)
     np.testing.assert_allclose(auto.attention(0, a_batch, q), off.attention(0, o_batch, q),
                                rtol=2e-5, atol=5e-6)
     return (lambda: auto.attention(0, a_batch, q)), (lambda: off.attention(0, o_batch, q)), \
@@ -112,8 +115,15 @@ def main(argv):
     target = 3.0 if backend == "host" else 2.0
     rows = []
 
-    auto, off, batch = attention_pair(backend, 4096, 32)
-    median, lo, hi, ta, tb = paired(auto, off, args.rounds, args.repeat)
+    # a cache made later times a few percent faster on PoCL whatever its setting:
+    # both orders, and the geometric mean of their ratios
+    figures = []
+    for auto_first in (True, False):
+        auto, off, batch = attention_pair(backend, 4096, 32, auto_first=auto_first)
+        figures.append(paired(auto, off, args.rounds, args.repeat))
+    median = (figures[0][0] * figures[1][0]) ** 0.5
+    lo, hi = min(f[1] for f in figures), max(f[2] for f in figures)
+    ta, tb = (statistics.median(f[i] for f in figures) for i in (3, 4))
     queries, keys = 32 * NUM_HEADS, 4096 + OWN + 1
     flops = queries * keys * HEAD_DIM * 4            # q.k and p.v, a multiply-add each
     sgemm = sgemm_flops()
@@ -123,15 +133,20 @@ def main(argv):
     rows.append(["32 forks of 4,096 + 64 own, decode", f"{ta * 1e3:.2f}", f"{tb * 1e3:.2f}",
                  f"**{median:.2f}x** ({lo:.2f}-{hi:.2f})", f">= {target:g}x"])
 
-    auto_u, a_batch = unshared(backend, "auto", 32, keys - 1)
-    off_u, o_batch = unshared(backend, "off", 32, keys - 1)
+    # a cache made later times a few percent faster on PoCL whatever its setting:
+    # both orders, and the geometric mean of their ratios
     q = np.random.default_rng(1).standard_normal((32, NUM_HEADS, HEAD_DIM), dtype=np.float32)
-    median_u, lo_u, hi_u, tau, tbu = paired(lambda: auto_u.attention(0, a_batch, q),
-                                            lambda: off_u.attention(0, o_batch, q),
-                                            args.rounds, args.repeat)
+    figures = []
+    for order in (("auto", "off"), ("off", "auto")):
+        made = dict((mode, unshared(backend, mode, 32, keys - 1)) for mode in order)
+        (auto_u, a_batch), (off_u, o_batch) = made["auto"], made["off"]
+        figures.append(paired(lambda: auto_u.attention(0, a_batch, q),
+                              lambda: off_u.attention(0, o_batch, q), args.rounds, args.repeat))
+    ratio_u = (figures[0][0] * figures[1][0]) ** -0.5
+    tau, tbu = (statistics.median(f[i] for f in figures) for i in (3, 4))
     rows.append([f"32 unshared sequences of {keys:,}", f"{tau * 1e3:.2f}", f"{tbu * 1e3:.2f}",
-                 f"**{1 / median_u:.3f}** auto/off time ({1 / hi_u:.3f}-{1 / lo_u:.3f})",
-                 "<= 1.03"])
+                 f"**{ratio_u:.3f}** auto/off time (made first: {1 / figures[0][0]:.3f}, "
+                 f"second: {1 / figures[1][0]:.3f})", "<= 1.03"])
     print(f"backend {backend}, {args.rounds} rounds, best of {args.repeat} calls per side")
     print(fmt_table(["case", "auto ms", "off ms", "off time / auto time (median, range)",
                      "target"], rows))

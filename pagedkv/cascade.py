@@ -19,9 +19,9 @@ bias, which depends on the position only through a constant per query, is
 corrected in the merge.
 
 Only where it pays (:class:`CascadePolicy`): groups of sequences with few
-query rows each (decode, speculative or beam steps) whose sharing saves
-enough bytes of K/V reads per layer to cover the second call and the merge;
-measured per backend (docs/cascade.md).
+query rows each (decode, speculative or beam steps) whose run is long enough
+and would be read often enough without cascade to cover the second call and
+the merge; measured per backend (docs/cascade.md).
 """
 from dataclasses import dataclass, replace
 
@@ -48,18 +48,20 @@ class CascadePolicy:
 
     Attributes
     ----------
-    min_saved_bytes : int
-        Fewest bytes of K/V reads per layer the group's sharing must save:
-        ``(sharers - 1) * shared keys * key_bytes`` (``key_bytes``: a
-        position's K and V over every KV head, scales included), which must
-        pay for a second kernel call, the gather of the queries and the merge.
+    min_run_bytes : int
+        Fewest bytes of K/V that the group's sequences would read from the
+        run in one layer without cascade: ``sharers * shared keys *
+        key_bytes`` (``key_bytes``: a position's K and V over every KV head,
+        scales included).  The shared call turns those reads into a
+        compute-bound block; it must also pay for a second kernel call, the
+        gather of the queries and the merge.
     min_shared_keys : int
         Fewest shared keys every query of the group sees.
     max_rows : int
         Most query rows a sequence of a group may have in the step: the
         block path already reads a sequence's keys once for many rows.
     """
-    min_saved_bytes: int = 0
+    min_run_bytes: int = 0
     min_shared_keys: int = 1
     max_rows: int = 8
 
@@ -215,7 +217,7 @@ def find_groups(tables, page_size, band, policy, bytes_per_key):
     hi = np.minimum(ends * page_size, np.minimum.reduceat(first_pos[members], first_of) + 1)
     shared = hi - lo
     keep = (shared >= max(policy.min_shared_keys, 1)) & \
-        ((sizes - 1) * shared * bytes_per_key >= policy.min_saved_bytes)
+        (sizes * shared * bytes_per_key >= policy.min_run_bytes)
     return [(members[first_of[g]:first_of[g] + sizes[g]], int(lo[g]), int(hi[g]))
             for g in np.flatnonzero(keep)]
 

@@ -14,7 +14,7 @@ NUM_HEADS = 8       # make()'s default: 2 KV heads, GQA group 4
 ROUNDING = dict(rtol=2e-5, atol=5e-6)
 # Every group of two or more with a shared key reads it once: the small caches here save
 # too few bytes for the backends' own policies (tested below on their own)
-FORCED = CascadePolicy(min_saved_bytes=0, min_shared_keys=1)
+FORCED = CascadePolicy(min_run_bytes=0, min_shared_keys=1)
 
 
 class Twin:
@@ -183,9 +183,9 @@ def test_both_pools(backend):
 
 def test_default_policy_reads_a_long_shared_prefix_once(backend):
     t = Twin(backend, policy=None, num_kv_heads=8, head_dim=64, group=2, num_pages=200)
-    root, kids = forked_family(t, prefix=600, suffixes=(0, 1, 2, 3, 4, 5, 6))
-    batch = t.step(kids + [root], 1)     # 7 x 592 keys x 4 KiB saved: 17 MB
-    assert t.used[-1] and batch.sharing.saved_token_reads == 7 * 592
+    root, kids = forked_family(t, prefix=1100, suffixes=(0, 1, 2, 3, 4, 5, 6))
+    batch = t.step(kids + [root], 1)     # 8 x 1,088 keys x 4 KiB of reads: 35.7 MB
+    assert t.used[-1] and batch.sharing.saved_token_reads == 7 * 1088
 
 
 def test_default_policy_reads_short_runs_once_per_sequence(backend):

@@ -75,7 +75,7 @@ class HostBackend(Backend):
 
     name = "host"
     # measured crossover: docs/cascade.md
-    cascade_policy = CascadePolicy(min_saved_bytes=8 << 20, min_shared_keys=64, max_rows=8)
+    cascade_policy = CascadePolicy(min_run_bytes=32 << 20, min_shared_keys=256, max_rows=8)
 
     @classmethod
     def unavailable_reason(cls):

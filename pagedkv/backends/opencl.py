@@ -173,7 +173,7 @@ class OpenCLBackend(Backend):
 
     name = "opencl"
     # measured crossover: docs/cascade.md
-    cascade_policy = CascadePolicy(min_saved_bytes=8 << 20, min_shared_keys=64, max_rows=8)
+    cascade_policy = CascadePolicy(min_run_bytes=32 << 20, min_shared_keys=256, max_rows=8)
     array_types = (_cl_array.Array,) if _cl_array is not None else ()
 
     @classmethod
