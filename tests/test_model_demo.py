@@ -145,3 +145,31 @@ def test_a_gemma_file_runs_with_its_windows(tmp_path, capsys):
     assert status == 0, err
     assert "no chat template; prompts go in as plain text" in err
     assert "window pool (2 windowed layers)" in err
+
+
+def test_samples_fork_each_prompt_and_compare_cascade(tiny_llama, capsys):
+    status, out, err = run(capsys, "--model", tiny_llama, "--raw", "--prompt", " the a",
+                           "--prompt", " a", "--max-new-tokens", "4", "--backend", "host",
+                           "--samples", "3", "--temperature", "0.9", "--seed", "5")
+    assert status == 0, err
+    for title in (" the a (sample 1 of 3)", " the a (sample 3 of 3)", " a (sample 2 of 3)"):
+        assert title in out
+    assert out.count("### Prompt") == 6
+    assert "2 prompts, 24 tokens generated" in err
+    assert "samples: 3 per prompt" in err and "with cascade auto" in err and "with off" in err
+    again = run(capsys, "--model", tiny_llama, "--raw", "--prompt", " the a", "--prompt", " a",
+                "--max-new-tokens", "4", "--backend", "host", "--samples", "3",
+                "--temperature", "0.9", "--seed", "5")
+    assert again[1] == out                                # seeded: the same samples
+
+
+@pytest.mark.parametrize("bad", ["0", "-2", "x"])
+def test_bad_samples_value(tiny_llama, capsys, bad):
+    with pytest.raises(SystemExit):
+        run(capsys, "--model", tiny_llama, "--samples", bad)
+    assert "--samples" in capsys.readouterr().err
+
+
+def test_samples_need_the_numpy_engine(capsys):
+    status, _, err = run(capsys, "--hf-model", "somewhere", "--samples", "2")
+    assert status == 1 and "--samples: only with a GGUF --model" in err

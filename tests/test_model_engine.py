@@ -418,3 +418,70 @@ def test_a_request_prefilled_elsewhere_decodes_as_if_prefilled_here(backend, che
     assert decode.requests[done].finish_reason == "length" and not decode.has_unfinished()
     with pytest.raises(ValueError, match="kv: expected K/V of the prompt's 4 tokens, got 9"):
         decode.add_prefilled_request(prompts[1], handed_over[0][1], 1, max_new_tokens=2)
+
+
+def run_samples(engine, prompts, num_samples, max_new_tokens, temperature=0.0):
+    """Every completion of every prompt: {request id: (prompt, [TokenEvent])}."""
+    events = {}
+    for prompt in prompts:
+        rid = engine.add_request(prompt, max_new_tokens=max_new_tokens,
+                                 temperature=temperature, num_samples=num_samples)
+        events[rid] = (prompt, [])
+    while engine.has_unfinished():
+        for event in engine.step():
+            request = engine.requests[event.request_id]
+            events.setdefault(event.request_id, (request.prompt_ids, []))[1].append(event)
+    return events
+
+
+@pytest.mark.parametrize("cascade", ["auto", "off"])
+def test_forked_samples_decode_as_the_prompt_alone(backend, checkpoint, model, cascade):
+    """num_samples forks the prompt's sequence once it is computed: greedy samples
+    all equal the prompt's single completion, and every logit matches the dense
+    forward; with cascade the samples' shared pages are read once."""
+    from pagedkv.cascade import CascadePolicy
+    rng = np.random.default_rng(9)
+    prompts = [rng.integers(0, CONFIG.vocab_size, n).tolist() for n in (30, 17)]
+    cache = make_cache(backend, num_pages=96, cascade=cascade)
+    cache._backend.cascade_policy = CascadePolicy(min_run_bytes=0)   # a tiny model's pages
+    engine = Engine(model, cache, max_num_seqs=8, max_num_batched_tokens=64)
+    events = run_samples(engine, prompts, 3, 6)
+    assert len(events) == 6
+    assert_matches_dense(checkpoint, {r: e for r, (_, e) in events.items()},
+                         {r: p for r, (p, _) in events.items()})
+    single = Engine(model, make_cache(backend, num_pages=32)).generate(prompts, max_new_tokens=6)
+    for prompt, got in events.values():
+        assert [e.token_id for e in got] == single[prompts.index(prompt)]
+    forks = [r for r in engine.requests.values() if r.parent_id is not None]
+    assert sorted(r.sample for r in forks) == [1, 1, 2, 2]
+    saved = engine.stats.shared_token_reads_saved
+    assert saved > 0 if cascade == "auto" else saved == 0
+
+
+def test_forks_share_the_prompts_pages(model):
+    cache = make_cache("host", num_pages=32)
+    engine = Engine(model, cache, max_num_seqs=4, max_num_batched_tokens=64)
+    engine.add_request(list(range(1, 14)), max_new_tokens=4, num_samples=3)
+    engine.step()                                    # the prompt, then two forks
+    seqs = cache.seq_ids()
+    assert len(seqs) == 3
+    assert all(cache.refcount(int(p)) == 3 for p in cache.page_ids(seqs[0])[:3])
+
+
+def test_sampled_forks_are_seeded(backend, model):
+    def run(seed):
+        engine = Engine(model, make_cache(backend, num_pages=64), seed=seed)
+        events = run_samples(engine, [[5, 6, 7, 8, 9]], 4, 6, temperature=20.0)
+        return [[e.token_id for e in got] for _, got in events.values()]
+
+    first = run(7)
+    assert first == run(7) and first != run(8)
+    assert len({tuple(s) for s in first}) > 1          # the samples differ
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "2"])
+def test_bad_num_samples(model, bad):
+    engine = Engine(model, make_cache("host", num_pages=8))
+    with pytest.raises(ValueError, match="num_samples"):
+        engine.add_request([1, 2], max_new_tokens=2, num_samples=bad)
+    assert not engine.requests

@@ -99,6 +99,13 @@ def build_parser():
                         help="0 = greedy (default); T > 0 samples from softmax(logits / T)")
     parser.add_argument("--seed", type=_non_negative_int, default=0,
                         help="seed of the sampling generator (default: 0)")
+    parser.add_argument("--samples", type=_positive_int, default=1, metavar="N",
+                        help="N completions of each prompt: the prompt is computed once and "
+                             "its sequence forked N-1 times (the samples share its pages); "
+                             "use with --temperature. With N > 1 the run is timed again with "
+                             "--cascade off, and both decode rates are reported (GGUF models)")
+    parser.add_argument("--cascade", choices=("auto", "off"), default="auto",
+                        help="shared-prefix attention of the KV cache (default: auto)")
     parser.add_argument("--page-size", type=_positive_int, default=16, metavar="N",
                         help="tokens per KV page, at most the model's context (default: 16)")
     parser.add_argument("--num-pages", type=_positive_int, metavar="N",
@@ -225,7 +232,7 @@ def cache_options(config, args):
     ``layer_windows`` is passed only for models with windowed layers (Gemma 3).
     """
     options = dict(page_size=args.page_size, dtype=args.kv_dtype, backend=args.backend,
-                   enable_prefix_caching=args.prefix_caching)
+                   enable_prefix_caching=args.prefix_caching, cascade=args.cascade)
     if config.has_windowed_layers:
         options["layer_windows"] = list(config.layer_windows)
     return options
@@ -270,6 +277,8 @@ def run(args):
         raise ValueError("--converted-dir: only with --hf-model")
     if args.disaggregated and args.hf_model:
         raise ValueError("--disaggregated: only with a GGUF --model (the NumPy engine)")
+    if args.samples > 1 and (args.hf_model or args.disaggregated):
+        raise ValueError("--samples: only with a GGUF --model served here (the NumPy engine)")
     with blas_threads(args.blas_threads or None):
         if args.hf_model:
             return serve(load_transformers(args), args)
@@ -290,6 +299,8 @@ class Served:
     prompt_ids: list
     max_seq_len: int
     layer_windows: object
+    # engine_with(cascade): a new engine over a new cache, cascade "auto" or "off"
+    engine_with: object = None
 
 
 def _prompts_for(args, tokenizer, name):
@@ -329,13 +340,21 @@ def load_gguf(args, path, header, tokenizer, prompts, prompt_ids, num_pages):
     from pagedkv.models.gguf_loader import load_gguf_model
 
     config = header.config
-    cache = make_cache(config, num_pages, args)
     loaded = load_gguf_model(header)
-    engine = Engine(loaded.model, cache, max_num_seqs=args.max_seqs,
-                    max_num_batched_tokens=args.max_batch_tokens,
-                    max_seq_len=config.max_position, seed=args.seed)
-    return Served(loaded.name, engine, cache, tokenizer, prompts, prompt_ids,
-                  config.max_position, cache_options(config, args).get("layer_windows"))
+    # the samples of a prompt fork its sequence: their pages on top of the prompt's
+    num_pages += (args.samples - 1) * len(prompt_ids) * \
+        -(-(args.max_new_tokens + args.page_size) // args.page_size)
+
+    def engine_with(cascade):
+        cache = make_cache(config, num_pages, argparse.Namespace(**dict(vars(args),
+                                                                         cascade=cascade)))
+        return Engine(loaded.model, cache, max_num_seqs=args.max_seqs * args.samples,
+                      max_num_batched_tokens=args.max_batch_tokens,
+                      max_seq_len=config.max_position, seed=args.seed)
+    engine = engine_with(args.cascade)
+    return Served(loaded.name, engine, engine.cache, tokenizer, prompts, prompt_ids,
+                  config.max_position, cache_options(config, args).get("layer_windows"),
+                  engine_with)
 
 
 def load_transformers(args):
@@ -366,45 +385,96 @@ def load_transformers(args):
 
 
 def serve(served, args):
-    """Run the prompts through ``served.engine``, streaming their text; print the report."""
+    """Run the prompts through ``served.engine``, streaming their text; print the report.
+
+    With ``--samples N`` (N > 1) each prompt has N panels, and the run is
+    timed again with ``--cascade off`` (no streaming) for the report's
+    comparison."""
     from pagedkv.models.display import RunView
     from pagedkv.models.report import format_report
     from pagedkv.models.tokenizer import TextStream
 
     engine, cache, tokenizer, prompts = served.engine, served.cache, served.tokenizer, \
         served.prompts
-    engine.warm_up()
-    # prompt i joins before step i * stagger
-    arrivals = {i * args.stagger: [] for i in range(len(served.prompt_ids))}
-    for i, ids in enumerate(served.prompt_ids):
-        arrivals[i * args.stagger].append((i, ids))
-    index_of = {}
-    streams = [TextStream(tokenizer) for _ in prompts]
-    with RunView(prompts) as view:
+    n = args.samples
+    titles = prompts if n == 1 else [f"{p} (sample {k + 1} of {n})"
+                                     for p in prompts for k in range(n)]
+    streams = [TextStream(tokenizer) for _ in titles]
+    with RunView(titles) as view:
         view.status = f"{served.name} on {cache.backend}: starting"
-        start = time.perf_counter()
-        step = 0
-        while engine.has_unfinished() or arrivals:
-            for index, ids in arrivals.pop(step, []):
-                request_id = engine.add_request(ids, max_new_tokens=args.max_new_tokens,
-                                                temperature=args.temperature,
-                                                stop_ids=tokenizer.stop_ids)
-                index_of[request_id] = index
-            for event in engine.step():
-                index = index_of[event.request_id]
-                view.add_text(index, streams[index].push(event.token_id))
-            view.update_status(engine, num_not_added=len(prompts) - len(index_of))
-            step += 1
-        wall_seconds = time.perf_counter() - start
+
+        def on_token(index, token_id):
+            view.add_text(index, streams[index].push(token_id))
+
+        wall_seconds, index_of = generate(
+            engine, served, args, on_token,
+            lambda waiting: view.update_status(engine, num_not_added=waiting))
     for request_id, index in index_of.items():
         # Exact final text (a trailing partial UTF-8 character is never streamed).
         view.texts[index] = tokenizer.decode(engine.requests[request_id].output_ids)
     num_generated = sum(len(engine.requests[r].output_ids) for r in index_of)
-    view.print_results(format_report(
+    report = format_report(
         engine.stats, cache, max_seq_len=served.max_seq_len, wall_seconds=wall_seconds,
         num_prompts=len(prompts), num_generated=num_generated,
-        layer_windows=served.layer_windows))
+        layer_windows=served.layer_windows)
+    if n > 1:
+        report += samples_report(engine, served, args)
+    view.print_results(report)
     return 0
+
+
+def generate(engine, served, args, on_token, on_step=None):
+    """Serve ``served.prompt_ids`` on ``engine`` (prompt i joins before step i *
+    --stagger), ``args.samples`` completions each; ``on_token(index, token_id)``
+    for each generated token, ``index = prompt * samples + sample``, and
+    ``on_step(prompts not yet added)`` after each step.
+
+    Returns
+    -------
+    wall_seconds : float
+        From the first step to the last.
+    index_of : dict
+        Request id -> index.
+    """
+    engine.warm_up()
+    arrivals = {i * args.stagger: [] for i in range(len(served.prompt_ids))}
+    for i, ids in enumerate(served.prompt_ids):
+        arrivals[i * args.stagger].append((i, ids))
+    index_of = {}
+    start = time.perf_counter()
+    step = 0
+    while engine.has_unfinished() or arrivals:
+        for index, ids in arrivals.pop(step, []):
+            request_id = engine.add_request(ids, max_new_tokens=args.max_new_tokens,
+                                            temperature=args.temperature,
+                                            stop_ids=served.tokenizer.stop_ids,
+                                            num_samples=args.samples)
+            index_of[request_id] = index * args.samples
+        for event in engine.step():
+            if event.request_id not in index_of:      # a fork: a prompt's next sample
+                request = engine.requests[event.request_id]
+                index_of[event.request_id] = index_of[request.parent_id] + request.sample
+            on_token(index_of[event.request_id], event.token_id)
+        if on_step is not None:
+            on_step(sum(len(later) for later in arrivals.values()))
+        step += 1
+    return time.perf_counter() - start, index_of
+
+
+def samples_report(engine, served, args):
+    """Report lines of a ``--samples`` run: what the samples shared, and the decode
+    rate against the same run with the other ``--cascade`` setting."""
+    other = "off" if args.cascade == "auto" else "auto"
+    again = served.engine_with(other)
+    generate(again, served, args, lambda index, token_id: None)
+    rates = {args.cascade: engine.stats.decode_tokens_per_second,
+             other: again.stats.decode_tokens_per_second}
+    saved = max(engine.stats.shared_token_reads_saved, again.stats.shared_token_reads_saved)
+    speedup = rates["auto"] / rates["off"] if rates["off"] else 0.0
+    return [f"samples: {args.samples} per prompt, forked after the prompt; decode "
+            f"{rates['auto']:.1f} tokens/s with cascade auto, {rates['off']:.1f} with off "
+            f"({speedup:.2f}x); shared-prefix attention saved {saved:,} reads of a key "
+            f"position per layer and KV head"]
 
 
 def run_disaggregated(args, path, header, tokenizer, prompts, prompt_ids, num_pages):

@@ -68,6 +68,10 @@ class EngineStats:
     num_swaps : int
         Of the preemptions, those that swapped the request's K/V out to host
         memory (resumed later without recomputation).
+    shared_token_reads_saved : int
+        Over the steps that ran with forked samples: the reads of a key
+        position (per layer and KV head) that shared-prefix attention saved
+        (``StepBatch.sharing.saved_token_reads``; 0 with ``cascade="off"``).
     """
     num_steps: int = 0
     prefill_tokens: int = 0
@@ -80,6 +84,7 @@ class EngineStats:
     peak_running: int = 0
     num_preemptions: int = 0
     num_swaps: int = 0
+    shared_token_reads_saved: int = 0
     _decode_token_seconds: list = field(default_factory=list, repr=False)
     _prefill_steps: list = field(default_factory=list, repr=False)  # (prefill, decode, seconds)
 
@@ -216,7 +221,7 @@ class Engine:
 
     # -- requests ------------------------------------------------------------------
     def add_request(self, prompt_ids, *, max_new_tokens, temperature=0.0, stop_ids=(),
-                    top_k=0, top_p=1.0):
+                    top_k=0, top_p=1.0, num_samples=1):
         """Queue a prompt; it joins the running batch at the next step with room.
 
         Parameters
@@ -234,6 +239,14 @@ class Engine:
         top_p : float in (0, 1]
             With ``temperature > 0``: sample among the likeliest tokens whose
             probabilities reach ``top_p`` (1 = all).
+        num_samples : int >= 1
+            Completions of the prompt: the prompt is computed once, then its
+            sequence is forked (``PagedKVCache.fork``) into ``num_samples - 1``
+            more requests that share its pages, each sampling its own tokens
+            from the first on.  The forks' ids appear in the step that
+            computes the prompt's last token (their ``parent_id`` is this
+            request's id); they run beside the other requests, past
+            ``max_num_seqs`` if need be.
 
         Returns
         -------
@@ -261,13 +274,17 @@ class Engine:
         top_p = float(top_p)
         if not 0 < top_p <= 1:
             raise ValueError(f"top_p: expected a float in (0, 1], got {top_p!r}")
+        if isinstance(num_samples, bool) or not isinstance(num_samples, (int, np.integer)) \
+                or num_samples < 1:
+            raise ValueError(f"num_samples: expected an int >= 1, got {num_samples!r}")
         longest = min(len(prompt) + int(max_new_tokens), self.max_seq_len)
         pages = -(-longest // self.cache.page_size)
         if pages > self.cache.num_pages:
             raise ValueError(f"prompt_ids: a request of up to {longest} tokens needs {pages} "
                              f"pages, more than the cache's {self.cache.num_pages}")
         request = Request(self._next_id, prompt, int(max_new_tokens), temperature,
-                          int(top_k), top_p, frozenset(int(t) for t in stop_ids))
+                          int(top_k), top_p, frozenset(int(t) for t in stop_ids),
+                          num_samples=int(num_samples))
         self._next_id += 1
         self.requests[request.request_id] = request
         if not self._finishes(request):
@@ -387,6 +404,8 @@ class Engine:
         window_pages_in_use = getattr(self.cache, "num_window_pages", 0) \
             - getattr(self.cache, "num_free_window_pages", 0)
         num_running = len(self.scheduler.running)
+        if hasattr(batch, "sharing") and any(c.request.parent_id is not None for c in plan):
+            self.stats.shared_token_reads_saved += batch.sharing.saved_token_reads
         positions, logit_rows, sampling = [], [], []
         row = 0
         num_decode = 0
@@ -408,16 +427,38 @@ class Engine:
                              [r.top_k for r in sampling], [r.top_p for r in sampling])
         events = []
         for request, token, row_logits in zip(sampling, next_tokens.tolist(), logits):
-            request.output_ids.append(token)
-            if self._finishes(request):
-                if self.on_finish is not None:
-                    self.on_finish(request)
-                self.scheduler.finish(request)
-            events.append(TokenEvent(request.request_id, token, row_logits,
-                                     request.finish_reason))
+            forks = self._fork_samples(request, row_logits) \
+                if request.num_samples > 1 and not request.output_ids else []
+            for r, t in [(request, token)] + forks:
+                r.output_ids.append(t)
+                if self._finishes(r):
+                    if self.on_finish is not None:
+                        self.on_finish(r)
+                    self.scheduler.finish(r)
+                events.append(TokenEvent(r.request_id, t, row_logits, r.finish_reason))
         self._record(row, num_decode, pages_in_use, window_pages_in_use, num_running,
                      time.perf_counter() - start)
         return events
+
+    def _fork_samples(self, request, row_logits):
+        """The other samples of ``request``, whose prompt was just computed: each a
+        fork of its sequence (sharing its pages) with its own first token drawn
+        from ``row_logits``; returns ``[(fork, token)]``."""
+        forks = []
+        for number in range(1, request.num_samples):
+            fork = Request(self._next_id, request.prompt_ids, request.max_new_tokens,
+                           request.temperature, request.top_k, request.top_p,
+                           request.stop_ids, parent_id=request.request_id, sample=number)
+            fork.seq_id = self.cache.fork(request.seq_id)
+            fork.num_computed = request.num_computed
+            self._next_id += 1
+            self.requests[fork.request_id] = fork
+            self.scheduler.running.append(fork)
+            token = sample(row_logits[None, :], [fork.temperature], self.rng,
+                           [fork.top_k], [fork.top_p])
+            forks.append((fork, int(token[0])))
+        request.num_samples = 1      # a recompute after a preemption forks no more
+        return forks
 
     def _record(self, num_tokens, num_decode, pages_in_use, window_pages_in_use, num_running,
                 seconds):

@@ -38,6 +38,14 @@ class Request:
         admitted; None once imported, or for a request computed here.
     import_seconds : float
         Time that import took.
+    num_samples : int
+        Completions of the prompt wanted: once the prompt is computed, the
+        request is forked ``num_samples - 1`` times (the samples share the
+        prompt's pages), each fork drawing its own first token from the
+        prompt's logits.
+    parent_id : int or None
+        For a fork: the request it was forked from; ``sample`` is its number
+        among the prompt's completions (0: the request itself).
     num_preemptions : int
         Times the request lost its pages: swapped out to host memory (with a
         cache that swaps; ``seq_id`` and ``num_computed`` are kept), or freed
@@ -57,6 +65,9 @@ class Request:
     num_preemptions: int = 0
     prefilled: Optional[object] = None
     import_seconds: float = 0.0
+    num_samples: int = 1
+    parent_id: Optional[int] = None
+    sample: int = 0
 
     @property
     def num_tokens(self):
