@@ -9,6 +9,7 @@ import argparse
 import ctypes
 import functools
 import os
+import statistics
 import subprocess
 import sys
 import sysconfig
@@ -31,6 +32,18 @@ def best_seconds(fn, *, repeat=7, warmup=2):
         fn()
         best = min(best, time.perf_counter() - t0)
     return best
+
+
+def paired_ratio(a, b, rounds, repeat):
+    """Median over rounds of time(a) / time(b), the two timed alternately."""
+    ratios, times = [], []
+    for _ in range(rounds):
+        ta = best_seconds(a, repeat=repeat, warmup=1)
+        tb = best_seconds(b, repeat=repeat, warmup=1)
+        ratios.append(ta / tb)
+        times.append((ta, tb))
+    ta, tb = (statistics.median(t[i] for t in times) for i in (0, 1))
+    return statistics.median(ratios), min(ratios), max(ratios), ta, tb
 
 
 def num_cores():

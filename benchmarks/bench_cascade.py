@@ -25,7 +25,8 @@ import numpy as np
 
 import pagedkv
 from pagedkv.cascade import CascadePolicy
-from _common import StreamRead, backends_parser, best_seconds, fmt_table, run_each_backend_alone
+from _common import (StreamRead, backends_parser, best_seconds, fmt_table, paired_ratio,
+                     run_each_backend_alone)
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
 OWN = 64
@@ -72,14 +73,8 @@ def unshared(backend, cascade, num_seqs, length):
 
 def paired(a, b, rounds, repeat):
     """(median of time(b) / time(a) over rounds, its range, median a, median b)."""
-    ratios, times = [], []
-    for _ in range(rounds):
-        ta = best_seconds(a, repeat=repeat, warmup=1)
-        tb = best_seconds(b, repeat=repeat, warmup=1)
-        ratios.append(tb / ta)
-        times.append((ta, tb))
-    return (statistics.median(ratios), min(ratios), max(ratios),
-            statistics.median(t[0] for t in times), statistics.median(t[1] for t in times))
+    ratio, lo, hi, tb, ta = paired_ratio(b, a, rounds, repeat)
+    return ratio, lo, hi, ta, tb
 
 
 def sgemm_flops():

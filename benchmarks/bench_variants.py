@@ -16,13 +16,12 @@ the figure is the median of the per-round ratios.
     python benchmarks/bench_variants.py [--backends host,opencl] [--rounds 9]
 """
 import inspect
-import statistics
 import sys
 
 import numpy as np
 
 import pagedkv
-from _common import backends_parser, best_seconds, fmt_table, run_each_backend_alone
+from _common import backends_parser, fmt_table, paired_ratio, run_each_backend_alone
 
 NUM_SEQS, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, PAGE = 32, 32, 8, 128, 16
 CHUNK, LONG, SHORT = 2048, 8000, 2047
@@ -47,18 +46,6 @@ def filled_cache(backend, length):
     one = block[:NUM_SEQS]
     cache.store(0, batch, one, one)
     return cache, batch
-
-
-def paired_ratio(a, b, rounds, repeat):
-    """Median over rounds of time(a) / time(b), the two timed alternately."""
-    ratios, times = [], []
-    for _ in range(rounds):
-        ta = best_seconds(a, repeat=repeat, warmup=1)
-        tb = best_seconds(b, repeat=repeat, warmup=1)
-        ratios.append(ta / tb)
-        times.append((ta, tb))
-    ta, tb = (statistics.median(t[i] for t in times) for i in (0, 1))
-    return statistics.median(ratios), min(ratios), max(ratios), ta, tb
 
 
 def main(argv):
