@@ -1,16 +1,21 @@
 # distutils: language = c++
 """Per-sequence page tables and the per-step tables kernels read.
 
-Each sequence owns an ordered list of page ids and a length.  ``append``
-reserves the slots for one step, all or nothing, copying a shared or cached
-last page first (copy-on-write), and builds every table format an engine may
-want: the slot mapping (vLLM), the CSR page table (FlashInfer, TVM) and the
-padded block table.
+Each sequence owns an ordered list of page ids in every pool and a length.
+``append`` reserves the slots for one step, all or nothing, copying a shared
+or cached last page first (copy-on-write), and builds every table format an
+engine may want: the slot mapping (vLLM), the CSR page table (FlashInfer,
+TVM) and the padded block table.
 
-Windowed layers (a sliding window of at most ``window`` positions) keep their
-K/V in a second pool.  Each sequence then has a second page list of the same
-length, whose leading pages are given back (-1) once no later query can see
-them: after a step from ``L0`` to ``L`` tokens, every window page wholly before
+Pools (see ``pagedkv.pools``): the page tables hold one :class:`Pool` per
+pool of the cache (``PageTables.pools``, indexed like the pools, and each
+sequence's page lists in the same order).  A pool is its allocator and its
+rule for which pages a sequence may give back; the pools differ only in
+that data.  A sequence's page list has as many entries in every pool.  The
+first pool is full attention: it keeps every page, and holds the prefix
+chain.  A pool with a window (the sliding-window layers, a window of at most
+``window`` positions) gives back the leading pages (-1) no later query can
+see: after a step from ``L0`` to ``L`` tokens, every page wholly before
 ``keep_from = min(L0, L - rollback) - window + 1`` goes back to the pool, so
 a rollback of up to ``rollback`` tokens still finds what its queries need.
 
@@ -21,9 +26,9 @@ step's K/V is stored in every layer (``close_step``).  A step abandoned
 before that (another append, a truncate, a free) leaves nothing reusable:
 its pages are not cached, and its sequences forget the step's tokens, so
 that no later page holding those unwritten positions is cached either
-(they cache again once truncated back below them).  A window page is cached
-under the prefix-index entry of the full page at the same place in the
-chain, which identifies its content exactly.
+(they cache again once truncated back below them).  A page of another pool
+is cached under the prefix-index entry of the first pool's page at the same
+place in the chain, which identifies its content exactly.
 
 Sequences that leave the cache (see the last block of ``PageTables``): a
 sequence made for K/V that come from elsewhere (``adopt``) gets new pages,
@@ -35,10 +40,12 @@ can reach a kernel, and ``find`` says it is swapped out.
 import numbers
 
 import numpy as np
+cimport cython
 cimport numpy as cnp
 from libc.stdint cimport int32_t, int64_t, uint64_t
 from libc.string cimport memcpy
 from cpython.dict cimport PyDict_Clear
+from cpython.ref cimport PyObject
 from libcpp.pair cimport pair
 from libcpp.vector cimport vector
 from libcpp.unordered_map cimport unordered_map
@@ -55,12 +62,14 @@ cdef extern from *:
     #include <vector>
     #include <cstdint>
     #include <unordered_map>
-    struct PkvSequence {
+    // one sequence's page list in one pool; the first `released` entries are
+    // -1 (given back: only a pool with a window gives pages back)
+    struct PkvPages {
         std::vector<int32_t> pages;
-        // window pool: as many entries as `pages`; the first `window_released`
-        // are -1 (given back)
-        std::vector<int32_t> window_pages;
-        int64_t window_released = 0;
+        int64_t released = 0;
+    };
+    struct PkvSequence {
+        std::vector<PkvPages> pools;   // indexed like PageTables.pools
         int64_t length = 0;
         int64_t last_step = -1;   // the append call that last named it (duplicate check)
         // prefix caching only: the token ids (known while tokens.size() ==
@@ -78,15 +87,16 @@ cdef extern from *:
     struct PkvUndoSeq {
         int64_t seq_id;
         int64_t length;
-        int64_t num_pages;
-        int64_t num_window_pages;
-        int64_t window_released;
         int64_t num_tokens;
         int64_t num_hashes;
-        int32_t copy_source;          // the shared last page it copied, or -1
-        int32_t window_copy_source;
     };
-    // a window page the last append gave back: entry `index` of sequence `b`
+    // ... and its page list in one pool
+    struct PkvUndoPages {
+        int64_t num_pages;
+        int64_t released;
+        int32_t copy_source;      // the shared last page it copied, or -1
+    };
+    // a page the last append gave back: entry `index` of sequence `b`
     struct PkvReleased {
         int64_t b;
         int64_t index;
@@ -112,18 +122,22 @@ cdef extern from *:
         seq.tokens.insert(seq.tokens.end(), f.tokens.begin(), f.tokens.end());
         seq.hashes.insert(seq.hashes.end(), f.hashes.begin(), f.hashes.end());
     }
-    // what an append's plan found and counted, before anything changes
-    struct PkvStepPlan {
-        std::vector<PkvSequence*> batch;
-        std::vector<char> copy_full, copy_window;   // per sequence: copy its last page
-        std::vector<std::vector<uint64_t>> hashes;  // per sequence: of the pages it fills
+    // what an append's plan found and counted in one pool, before anything changes
+    struct PkvPoolPlan {
+        std::vector<char> copy;                     // per sequence: copy its last page
         // copies per shared page: the last writer of a page shared only within
         // the step keeps it instead of copying
-        std::unordered_map<int32_t, int32_t> copies_of, window_copies_of;
-        // references to window pages the step gives back, per page
-        std::unordered_map<int32_t, int32_t> window_releases;
-        int64_t needed = 0, window_new = 0, window_freed = 0, total_new = 0;
-        int64_t nnz = 0, num_copies = 0, num_window_copies = 0, max_pages = 0;
+        std::unordered_map<int32_t, int32_t> copies_of;
+        // references to pages the step gives back, per page
+        std::unordered_map<int32_t, int32_t> releases;
+        int64_t num_copies = 0, new_pages = 0, freed = 0;
+    };
+    // ... and in every pool
+    struct PkvStepPlan {
+        std::vector<PkvSequence*> batch;
+        std::vector<std::vector<uint64_t>> hashes;  // per sequence: of the pages it fills
+        std::vector<PkvPoolPlan> pools;
+        int64_t total_new = 0, nnz = 0, max_pages = 0;
     };
     // where the commit writes one pool's tables (into the arrays append returns)
     struct PkvPoolOut {
@@ -134,21 +148,23 @@ cdef extern from *:
         int32_t* copy_dst = nullptr;
         int64_t num_copied = 0;
     };
-    // where the commit writes the step's tables: those both pools share, and each pool's
+    // where the commit writes the step's tables: those the pools share, and each pool's
     struct PkvStepOut {
         int32_t* query_start = nullptr;
         int32_t* seq_lens = nullptr;
         int32_t* page_indptr = nullptr;
         int32_t* last_page_len = nullptr;
         int64_t max_pages = 0;
-        PkvPoolOut full, window;
+        std::vector<PkvPoolOut> pools;
     };
     """
+    cdef cppclass PkvPages:
+        PkvPages() except +
+        vector[int32_t] pages
+        int64_t released
     cdef cppclass PkvSequence:
         PkvSequence() except +
-        vector[int32_t] pages
-        vector[int32_t] window_pages
-        int64_t window_released
+        vector[PkvPages] pools
         int64_t length
         int64_t last_step
         vector[int32_t] tokens
@@ -160,29 +176,28 @@ cdef extern from *:
     cdef cppclass PkvUndoSeq:
         int64_t seq_id
         int64_t length
-        int64_t num_pages
-        int64_t num_window_pages
-        int64_t window_released
         int64_t num_tokens
         int64_t num_hashes
+    cdef cppclass PkvUndoPages:
+        int64_t num_pages
+        int64_t released
         int32_t copy_source
-        int32_t window_copy_source
     cdef cppclass PkvReleased:
         int64_t b
         int64_t index
         int32_t page
     cdef cppclass PkvForgotten:
         int64_t seq_id
+    cdef cppclass PkvPoolPlan:
+        vector[char] copy
+        unordered_map[int32_t, int32_t] copies_of
+        unordered_map[int32_t, int32_t] releases
+        int64_t num_copies, new_pages, freed
     cdef cppclass PkvStepPlan:
         vector[PkvSequence*] batch
-        vector[char] copy_full
-        vector[char] copy_window
         vector[vector[uint64_t]] hashes
-        unordered_map[int32_t, int32_t] copies_of
-        unordered_map[int32_t, int32_t] window_copies_of
-        unordered_map[int32_t, int32_t] window_releases
-        int64_t needed, window_new, window_freed, total_new
-        int64_t nnz, num_copies, num_window_copies, max_pages
+        vector[PkvPoolPlan] pools
+        int64_t total_new, nnz, max_pages
     cdef cppclass PkvPoolOut:
         int64_t* slot_mapping
         int32_t* page_indices
@@ -196,8 +211,7 @@ cdef extern from *:
         int32_t* page_indptr
         int32_t* last_page_len
         int64_t max_pages
-        PkvPoolOut full
-        PkvPoolOut window
+        vector[PkvPoolOut] pools
     void pkv_forget(vector[PkvForgotten]& out, int64_t seq_id, PkvSequence& seq,
                     size_t num_tokens, size_t num_hashes) nogil
     void pkv_remember(PkvForgotten& f, PkvSequence& seq) nogil
@@ -312,12 +326,15 @@ cdef class AppendTables:
     last_page_len : ndarray, shape [B], int32
         A sequence's page list has as many entries in every pool, so the CSR
         row pointers and last-page lengths serve them all.
+    pools : tuple of PoolTables
+        Each pool's tables, indexed like ``PageTables.pools``.
     full : PoolTables
-        The full-attention pool's tables.
+        The full-attention pool's tables (``pools[0]``).
     window : PoolTables or None
-        The window pool's (None without one).
+        The window pool's (``pools[1]``; None without one).
     """
     cdef readonly cnp.ndarray query_start, seq_lens, page_indptr, last_page_len
+    cdef readonly tuple pools
     cdef readonly PoolTables full, window
 
 
@@ -338,13 +355,297 @@ cdef PoolTables new_pool_tables(PkvPoolOut& out, Py_ssize_t B, int64_t total_new
     return t
 
 
-cdef class PageTables:
-    """The page tables of every live sequence, over one :class:`PageAllocator`.
+@cython.final
+cdef class Pool:
+    """One pool of the page tables: its allocator, which pages a sequence may give
+    back, and its part of the undo record of the last ``append``.
+
+    Every sequence has a page list in every pool (``PkvSequence.pools[index]``);
+    the methods here are what the page tables do to one such list, the same
+    for every pool.  What tells the pools apart is data: ``window`` (0 for full
+    attention, whose lists keep every page; else the largest window of the
+    pool's layers, whose lists give back what ``keep_from`` says no query
+    needs any more), ``rollback`` (tokens a rollback can always undo), and
+    how errors name the pool.
 
     Parameters
     ----------
     allocator : PageAllocator
-        Pool the pages come from; its ``page_size`` and ``prefix_caching`` apply.
+    index : int
+        Its place in ``PageTables.pools`` (and in each sequence's page lists).
+    window : int
+        0, or the largest window of the pool's layers.
+    rollback : int, >= 1
+    noun, where, hint : str
+        How errors name its pages ("pages", "window pages"), the pool ("" or
+        " in the ... pool") and what sizes it (a parenthesis, or "").
+    """
+    cdef readonly PageAllocator allocator
+    cdef readonly int index
+    cdef readonly int64_t window
+    cdef readonly int64_t rollback
+    cdef readonly bint gives_back      # window > 0
+    cdef int64_t page_size
+    cdef str noun, where, hint
+    # the last append's changes to this pool, per sequence of it, and the pages
+    # it gave back (for PageTables.undo_append)
+    cdef vector[PkvUndoPages] undo
+    cdef vector[PkvReleased] undo_released
+
+    def __cinit__(self, PageAllocator allocator, int index, int64_t window, int64_t rollback,
+                  str noun, str where, str hint):
+        self.allocator = allocator
+        self.index = index
+        self.window = window
+        self.rollback = rollback
+        self.gives_back = window > 0
+        self.page_size = allocator.page_size
+        self.noun = noun
+        self.where = where
+        self.hint = hint
+
+    cdef inline int64_t keep_from(self, int64_t old_len, int64_t new_len) noexcept nogil:
+        """The oldest position a query of the pool may still need after a step
+        old_len -> new_len (a rollback of up to ``rollback`` tokens included)."""
+        if not self.gives_back:
+            return 0
+        cdef int64_t first = min(old_len, new_len - self.rollback)
+        return max(<int64_t>0, first - self.window + 1)
+
+    cdef inline int64_t first_held(self, int64_t window_from) noexcept nogil:
+        """The first page an imported sequence holds here, when what a window
+        needs of it starts at page ``window_from``."""
+        return window_from if self.gives_back else 0
+
+    cdef str free_text(self, int64_t busy=0, bint hint=True):
+        """How an error says what is free here (``busy`` of the free pages taken already)."""
+        return (f"{self.allocator.num_free_pages - busy} of {self.allocator.num_pages} free"
+                f"{self.where}{self.hint if hint else ''}")
+
+    # -- one sequence's list -------------------------------------------------------
+    cdef int start(self, PkvPages& own, int64_t first, int64_t num_pages) except -1:
+        """New pages for pages ``first:num_pages`` of a new list, the ones before it
+        given back."""
+        own.pages.assign(first, RELEASED)
+        own.released = first
+        while <int64_t>own.pages.size() < num_pages:
+            own.pages.push_back(self.allocator.take_page())
+        return 0
+
+    cdef int start_on(self, PkvPages& own, int64_t first, vector[int32_t]& found) except -1:
+        """A new list that holds the cached pages ``found`` from page ``first`` on."""
+        cdef size_t j
+        own.pages.assign(first, RELEASED)
+        own.released = first
+        for j in range(found.size()):
+            self.allocator.acquire(found[j])
+            own.pages.push_back(found[j])
+        return 0
+
+    cdef void share(self, PkvPages& own) noexcept nogil:
+        """One more holder of every page of the list (a fork)."""
+        cdef size_t i
+        for i in range(own.pages.size()):
+            if own.pages[i] != RELEASED:
+                self.allocator.incref_page(own.pages[i])
+
+    cdef void drop(self, PkvPages& own) noexcept nogil:
+        release_pages(self.allocator, own.pages, 0)
+        own.released = 0
+
+    cdef void truncate(self, PkvPages& own, int64_t num_pages) noexcept nogil:
+        release_pages(self.allocator, own.pages, num_pages)
+        own.released = min(own.released, <int64_t>own.pages.size())
+
+    cdef int check_rollback(self, PkvPages& own, int64_t length, int64_t new_len) except -1:
+        """ValueError unless truncating to ``new_len`` keeps what the pool's queries need."""
+        cdef int64_t held_from = own.released * self.page_size
+        # a query at new_len (the first after the rollback) sees from new_len - window + 1;
+        # only positions given back (before held_from) that it would see are missing
+        if 0 < new_len < length and max(new_len - self.window + 1, <int64_t>0) < held_from:
+            raise ValueError(
+                f"new_len: the windowed layers gave back this sequence's K/V before position "
+                f"{held_from}, and a query at position {new_len} would see from position "
+                f"{max(new_len - self.window + 1, 0)}; it can be rolled back to "
+                f"{held_from + self.window - 1} tokens at least, or to 0 (a larger "
+                f"window_rollback_tokens keeps more)")
+        return 0
+
+    # -- prefix caching --------------------------------------------------------------
+    cdef bint find_cached(self, PageAllocator chain, vector[int32_t]& found,
+                          const int32_t* prompt, int64_t hit,
+                          vector[int32_t]& out) noexcept nogil:
+        """The cached pages a sequence starting on the first ``hit`` pages ``found``
+        of the chain (in the first pool's allocator ``chain``) needs here (those at
+        or after keep_from), into ``out``; False if any is missing."""
+        cdef int64_t j, ps = self.page_size
+        cdef int64_t length = hit * ps
+        cdef int32_t page
+        out.clear()
+        for j in range(self.keep_from(length, length) // ps, hit):
+            page = self.allocator.lookup(<uint64_t>chain.entry_of(found[j]), ROOT_ENTRY,
+                                         &prompt[j * ps])
+            if page < 0:
+                return False
+            out.push_back(page)
+        return True
+
+    cdef void cache_under(self, PkvPages& own, int64_t j, int64_t entry,
+                          const int32_t* tokens) noexcept nogil:
+        """Cache the list's page ``j`` (if held) under ``entry``, the prefix-index
+        entry of the chain's page at the same place."""
+        if own.pages[j] != RELEASED:
+            self.allocator.cache_page(own.pages[j], <uint64_t>entry, ROOT_ENTRY, tokens)
+
+    # -- one step: the plan (changes nothing) ---------------------------------------
+    cdef void plan(self, PkvPoolPlan& plan, vector[PkvSequence*]& batch,
+                   int64_t[::1] counts) noexcept nogil:
+        """Each sequence's copy and new pages here, the pages the step gives back
+        (only where the sequence gets new tokens), and how many of those it
+        frees: those every holder gives back."""
+        cdef Py_ssize_t b
+        cdef int64_t ps = self.page_size, length
+        cdef PkvPages* own
+        for b in range(<Py_ssize_t>batch.size()):
+            own = &batch[b].pools[self.index]
+            length = batch[b].length
+            plan.copy[b] = must_copy(self.allocator, own.pages, length, ps, counts[b],
+                                     plan.copies_of)
+            if plan.copy[b]:
+                plan.copies_of[own.pages.back()] += 1
+                plan.num_copies += 1
+            plan.new_pages += pages_for(length + counts[b], ps) - <int64_t>own.pages.size()
+            if counts[b]:
+                self.count_releases(deref(own), length, length + counts[b], plan.releases)
+        for kv in plan.releases:
+            plan.freed += self.allocator.refcount_of(kv.first) == kv.second
+
+    cdef void count_releases(self, PkvPages& own, int64_t old_len, int64_t new_len,
+                             unordered_map[int32_t, int32_t]& releases) noexcept nogil:
+        """Count, per page, the references a step old_len -> new_len gives back (a
+        page shared by sequences of the step may lose several)."""
+        cdef int64_t j
+        cdef int64_t upto = min(self.keep_from(old_len, new_len) // self.page_size,
+                                <int64_t>own.pages.size())
+        for j in range(own.released, upto):
+            if own.pages[j] != RELEASED:
+                releases[own.pages[j]] += 1
+
+    cdef int check_room(self, PkvPoolPlan& plan) except -1:
+        """OutOfPagesError unless the pool can give what the plan takes: its copies
+        are taken before the pages the step gives back are free."""
+        cdef int64_t free = self.allocator.num_free_pages
+        if plan.num_copies > free or plan.num_copies + plan.new_pages - plan.freed > free:
+            raise OutOfPagesError(
+                f"append: this step needs {plan.num_copies + plan.new_pages} new {self.noun}"
+                + (f" ({plan.num_copies} of them copies of shared pages, taken before the "
+                   f"{plan.freed} it gives back are free)" if self.gives_back else "")
+                + f", {self.free_text()}")
+        return 0
+
+    # -- one step: the commit (cannot fail) ---------------------------------------------
+    cdef void commit(self, PkvPoolPlan& plan, vector[PkvSequence*]& batch, int64_t[::1] counts,
+                     PkvPoolOut& out, int64_t max_pages) noexcept nogil:
+        """The pool's part of the step: its copies, the pages it gives back, new
+        pages and its tables (``out``), each change recorded for ``undo_commit``.
+
+        A pool that gives pages back takes its copies' destinations first, then
+        gives back, then takes the new pages: so a copy never writes a page
+        this step gave back (undoing the step finds those as they were), and
+        the room given back serves the new pages.  One that gives nothing back
+        takes each sequence's copy and new pages in turn."""
+        cdef Py_ssize_t b, B = batch.size()
+        cdef int64_t ps = self.page_size, row = 0, indptr = 0, length
+        cdef bint copies_first = self.gives_back
+        cdef PkvPages* own
+        cdef PkvUndoPages* u
+        for b in range(B):
+            own = &batch[b].pools[self.index]
+            u = &self.undo[b]
+            u.num_pages = own.pages.size()
+            u.released = own.released
+            u.copy_source = -1
+        if copies_first:
+            for b in range(B):
+                if plan.copy[b]:
+                    self.undo[b].copy_source = take_copy(
+                        self.allocator, batch[b].pools[self.index].pages, out)
+            for b in range(B):
+                if counts[b]:
+                    length = batch[b].length
+                    self.give_back(batch[b].pools[self.index],
+                                   self.keep_from(length, length + counts[b]), b)
+        for b in range(B):
+            own = &batch[b].pools[self.index]
+            length = batch[b].length
+            if plan.copy[b] and not copies_first:
+                self.undo[b].copy_source = take_copy(self.allocator, own.pages, out)
+            grow(self.allocator, own.pages, pages_for(length + counts[b], ps))
+            write_tables(own.pages, length, length + counts[b], ps, row, out, indptr,
+                         b * max_pages)
+            row += counts[b]
+            indptr += own.pages.size()
+        # the shared pages copied, let go now that the step's pages are all taken
+        for b in range(out.num_copied):
+            self.allocator.decref_page(out.copy_src[b])
+
+    cdef void give_back(self, PkvPages& own, int64_t keep_from, int64_t b) noexcept nogil:
+        """Give back the list's pages wholly before position ``keep_from``, keeping
+        each in ``undo_released`` (``b``: the sequence's place in the step)."""
+        cdef int64_t upto = min(keep_from // self.page_size, <int64_t>own.pages.size())
+        cdef PkvReleased entry
+        while own.released < upto:
+            if own.pages[own.released] != RELEASED:
+                entry.b = b
+                entry.index = own.released
+                entry.page = own.pages[own.released]
+                self.undo_released.push_back(entry)
+                self.allocator.decref_page(entry.page)
+                own.pages[own.released] = RELEASED
+            own.released += 1
+
+    cdef void undo_commit(self, vector[PkvSequence*]& batch) noexcept nogil:
+        """Take back ``commit``, its steps in reverse: the copies' sources held
+        again, new pages dropped, pages given back taken back, copies dropped
+        (in the order ``commit`` took them, so the free queue is as before)."""
+        cdef Py_ssize_t b, i, B = batch.size()
+        cdef bint copies_first = self.gives_back
+        cdef PkvPages* own
+        cdef PkvUndoPages* u
+        for b in range(B - 1, -1, -1):
+            if self.undo[b].copy_source >= 0:
+                self.allocator.hold(self.undo[b].copy_source)
+        for b in range(B - 1, -1, -1):
+            own = &batch[b].pools[self.index]
+            release_pages(self.allocator, own.pages, self.undo[b].num_pages)
+            if not copies_first:
+                self.undo_copy(own.pages, self.undo[b].copy_source)
+        for i in range(<Py_ssize_t>self.undo_released.size() - 1, -1, -1):
+            own = &batch[self.undo_released[i].b].pools[self.index]
+            self.allocator.hold(self.undo_released[i].page)
+            own.pages[self.undo_released[i].index] = self.undo_released[i].page
+        for b in range(B - 1, -1, -1):
+            own = &batch[b].pools[self.index]
+            own.released = self.undo[b].released
+            if copies_first:
+                self.undo_copy(own.pages, self.undo[b].copy_source)
+        self.undo_released.clear()
+
+    cdef inline void undo_copy(self, vector[int32_t]& pages, int32_t source) noexcept nogil:
+        """The shared page ``source`` last again, instead of its copy (if it had one)."""
+        if source >= 0:
+            self.allocator.decref_page(pages.back())
+            pages[pages.size() - 1] = source
+
+
+cdef class PageTables:
+    """The page tables of every live sequence, over one :class:`PageAllocator` per pool.
+
+    Parameters
+    ----------
+    allocator : PageAllocator
+        The full-attention pool (it holds the prefix chain); its ``page_size``
+        and ``prefix_caching`` apply.
     hash_fn : callable, optional
         ``hash_fn(parent_hash: int, token_ids: tuple) -> int`` replaces the
         default page hash (e.g. to force collisions in tests).
@@ -354,10 +655,17 @@ cdef class PageTables:
         The largest window of any windowed layer.
     rollback : int, >= 1
         Tokens a sequence can always be rolled back by (see the module notes).
+
+    Attributes
+    ----------
+    pools : tuple of Pool
+        The full-attention pool, then the window pool if there is one.
     """
-    cdef PageAllocator allocator
-    cdef PageAllocator window_allocator
-    cdef readonly bint windowed
+    cdef readonly tuple pools
+    # ``pools``, borrowed (the tuple holds them), for the loops that run without the GIL
+    cdef vector[PyObject*] pool_refs
+    cdef PageAllocator allocator          # pools[0]'s: the prefix chain's
+    cdef PkvPages no_pages                # an empty list: a sequence's in a pool not here
     cdef readonly int64_t window
     cdef readonly int64_t rollback
     cdef readonly int page_size
@@ -373,19 +681,28 @@ cdef class PageTables:
     cdef readonly int64_t num_prompt_tokens    # passed to add(token_ids=...)
     cdef readonly int64_t num_reused_tokens    # of those, found in the prefix cache
     cdef dict swapped                         # swapped-out id -> (length, known token ids)
-    # how to undo the last append (``undo_append``), while ``undo_armed``
+    # how to undo the last append (``undo_append``), while ``undo_armed``; each
+    # pool keeps its own part
     cdef bint undo_armed
+    cdef vector[PkvSequence*] undo_batch
     cdef vector[PkvUndoSeq] undo_seqs
-    cdef vector[PkvReleased] undo_released
     cdef vector[PkvForgotten] undo_forgotten
     cdef vector[PkvPendingPage] undo_pending
     cdef vector[pair[int64_t, int64_t]] undo_open_seqs
 
     def __cinit__(self, PageAllocator allocator, hash_fn=None,
                   PageAllocator window_allocator=None, int64_t window=0, int64_t rollback=1):
+        cdef Pool pool
+        pools = [Pool(allocator, 0, 0, rollback, "pages",
+                      "" if window_allocator is None else " in the full-attention pool", "")]
+        if window_allocator is not None:
+            pools.append(Pool(window_allocator, 1, window, rollback, "window pages",
+                              " in the window pool",
+                              " (the sliding-window layers; num_window_pages)"))
+        self.pools = tuple(pools)
+        for pool in self.pools:
+            self.pool_refs.push_back(<PyObject*>pool)
         self.allocator = allocator
-        self.window_allocator = window_allocator
-        self.windowed = window_allocator is not None
         self.window = window
         self.rollback = rollback
         self.page_size = allocator.page_size
@@ -424,10 +741,11 @@ cdef class PageTables:
             raise UnknownSequenceError(f"seq_id: no live sequence {seq_id} (never added, or freed)")
         return &deref(it).second
 
-    cdef inline int64_t keep_from(self, int64_t old_len, int64_t new_len) noexcept nogil:
-        """The oldest position a windowed query may still need after a step old_len -> new_len."""
-        cdef int64_t first = min(old_len, new_len - self.rollback)
-        return max(<int64_t>0, first - self.window + 1)
+    cdef PkvPages* pool_pages(self, PkvSequence* seq, bint window) noexcept nogil:
+        """The sequence's list in the full pool or (``window``) the window pool;
+        an empty one when the cache has no such pool."""
+        cdef size_t p = window
+        return &seq.pools[p] if p < seq.pools.size() else &self.no_pages
 
     # -- sequences ---------------------------------------------------------------
     def add(self, token_ids=None):
@@ -435,19 +753,20 @@ cdef class PageTables:
 
         With prefix caching and ``token_ids`` (the prompt, int32 [n]), the
         sequence starts on the longest cached chain of full pages of the
-        prompt, short of its last token, whose windowed-layer K/V (what a
-        window at its end sees) is cached too; ``seq_len`` tells how many
+        prompt, short of its last token, whose K/V in every other pool (what
+        a window at its end sees) is cached too; ``seq_len`` tells how many
         tokens that covers.  Nothing is reserved for the rest.
         """
         cdef PkvSequence seq
         cdef int32_t[::1] prompt
-        cdef int64_t j, hit, first, num_full, ps = self.page_size
+        cdef int64_t j, hit, num_full, ps = self.page_size
         cdef int64_t parent_entry = ROOT_ENTRY
         cdef uint64_t h = ROOT_HASH
         cdef vector[uint64_t] chain
-        cdef vector[int32_t] found
-        cdef vector[int32_t] window_found
+        cdef vector[vector[int32_t]] found     # per pool: the cached pages it starts on
         cdef int32_t page
+        cdef Pool pool
+        seq.pools.resize(len(self.pools))
         if self.caching and token_ids is not None:
             prompt = token_ids
             num_full = (prompt.shape[0] - 1) // ps if prompt.shape[0] else 0
@@ -455,27 +774,22 @@ cdef class PageTables:
             for j in range(num_full):
                 h = self.page_hash(h, &prompt[j * ps])
                 chain.push_back(h)
+            found.resize(len(self.pools))
             for j in range(num_full):
                 page = self.allocator.lookup(chain[j], parent_entry, &prompt[j * ps])
                 if page < 0:
                     break
-                found.push_back(page)
+                found[0].push_back(page)
                 parent_entry = self.allocator.entry_of(page)
-            hit = found.size()
-            while self.windowed and hit > 0 and \
-                    not self.find_window_pages(found, &prompt[0], hit, window_found):
-                hit -= 1        # the windowed layers' K/V at that end is gone: a shorter hit
+            hit = found[0].size()
+            while hit > 0 and not self.find_cached(found, &prompt[0], hit):
+                hit -= 1        # another pool's K/V at that end is gone: a shorter hit
+            found[0].resize(hit)
+            for pool in self.pools:
+                pool.start_on(seq.pools[pool.index], hit - <int64_t>found[pool.index].size(),
+                              found[pool.index])
             for j in range(hit):
-                self.allocator.acquire(found[j])
-                seq.pages.push_back(found[j])
                 seq.hashes.push_back(chain[j])
-            if self.windowed:
-                first = hit - <int64_t>window_found.size()
-                seq.window_pages.assign(first, RELEASED)
-                seq.window_released = first
-                for j in range(<int64_t>window_found.size()):
-                    self.window_allocator.acquire(window_found[j])
-                    seq.window_pages.push_back(window_found[j])
             seq.length = hit * ps
             seq.tokens.assign(&prompt[0], &prompt[0] + seq.length) if seq.length else None
             self.num_prompt_tokens += prompt.shape[0]
@@ -485,20 +799,16 @@ cdef class PageTables:
         self.seqs[seq_id] = seq
         return seq_id
 
-    cdef bint find_window_pages(self, vector[int32_t]& found, const int32_t* prompt,
-                                int64_t hit, vector[int32_t]& out) noexcept nogil:
-        """The cached window pages a sequence starting on ``hit`` full pages needs
-        (those at or after keep_from), into ``out``; False if any is missing."""
-        cdef int64_t j, ps = self.page_size
-        cdef int64_t length = hit * ps
-        cdef int32_t page
-        out.clear()
-        for j in range(self.keep_from(length, length) // ps, hit):
-            page = self.window_allocator.lookup(
-                <uint64_t>self.allocator.entry_of(found[j]), ROOT_ENTRY, &prompt[j * ps])
-            if page < 0:
+    cdef bint find_cached(self, vector[vector[int32_t]]& found, const int32_t* prompt,
+                          int64_t hit) noexcept nogil:
+        """The cached pages of every pool but the first that a sequence starting on
+        the chain's first ``hit`` pages ``found[0]`` needs, into ``found``; False
+        if any is missing."""
+        cdef size_t p
+        for p in range(1, self.pool_refs.size()):
+            if not (<Pool>self.pool_refs[p]).find_cached(self.allocator, found[0], prompt, hit,
+                                                         found[p]):
                 return False
-            out.push_back(page)
         return True
 
     def fork(self, parent_id):
@@ -506,11 +816,8 @@ cdef class PageTables:
         cdef PkvSequence* parent = self.find(parent_id)
         cdef int64_t child_id = self.next_id
         cdef size_t i
-        for i in range(parent.pages.size()):
-            self.allocator.incref_page(parent.pages[i])
-        for i in range(parent.window_pages.size()):
-            if parent.window_pages[i] != RELEASED:
-                self.window_allocator.incref_page(parent.window_pages[i])
+        for i in range(self.pool_refs.size()):
+            (<Pool>self.pool_refs[i]).share(parent.pools[i])
         for i in range(self.open_seqs.size()):   # the child shares the open step's fate
             if self.open_seqs[i].first == <int64_t>parent_id:
                 self.open_seqs.push_back(pair[int64_t, int64_t](child_id, self.open_seqs[i].second))
@@ -520,10 +827,9 @@ cdef class PageTables:
         return child_id
 
     cdef void drop(self, PkvSequence* seq) noexcept nogil:
-        release_pages(self.allocator, seq.pages, 0)
-        if self.windowed:
-            release_pages(self.window_allocator, seq.window_pages, 0)
-            seq.window_released = 0
+        cdef size_t p
+        for p in range(self.pool_refs.size()):
+            (<Pool>self.pool_refs[p]).drop(seq.pools[p])
 
     def free(self, seq_id, tuple also=()):
         """Drop the sequence; its pages go back to the pool once no one shares them.
@@ -585,8 +891,7 @@ cdef class PageTables:
     def pages(self, seq_id, bint window=False):
         """The sequence's page ids in order (``window``: in the window pool, -1 for
         pages given back); ndarray, shape [num_pages], int32 (a copy)."""
-        cdef PkvSequence* seq = self.find(seq_id)
-        cdef vector[int32_t]* pages = &seq.window_pages if window else &seq.pages
+        cdef vector[int32_t]* pages = &self.pool_pages(self.find(seq_id), window).pages
         out = np.empty(pages.size(), dtype=np.int32)
         cdef int32_t[::1] view = out
         cdef size_t i
@@ -597,7 +902,7 @@ cdef class PageTables:
     def window_held_from(self, seq_id):
         """The first position whose window-pool K/V the sequence still holds."""
         cdef PkvSequence* seq = self.find(seq_id)
-        return min(seq.window_released * self.page_size, seq.length)
+        return min(self.pool_pages(seq, True).released * self.page_size, seq.length)
 
     def slots(self, seq_id, int64_t start, int64_t stop, bint window=False):
         """Slots (``page * page_size + offset``) of positions ``start:stop``, in the
@@ -608,47 +913,37 @@ cdef class PageTables:
         slots : ndarray, shape [stop - start], int64
         """
         cdef PkvSequence* seq = self.find(seq_id)
+        cdef PkvPages* own = self.pool_pages(seq, window)
         if not 0 <= start <= stop <= seq.length:
             raise ValueError(f"positions {start}:{stop}: expected 0 <= start <= stop <= "
                              f"seq_len={seq.length}")
-        if window and start < stop and start < seq.window_released * self.page_size:
+        if start < stop and start < own.released * self.page_size:
             raise ValueError(f"positions {start}:{stop}: the window pool holds this sequence's "
-                             f"K/V only from position {seq.window_released * self.page_size}")
-        cdef vector[int32_t]* pages = &seq.window_pages if window else &seq.pages
+                             f"K/V only from position {own.released * self.page_size}")
         out = np.empty(stop - start, dtype=np.int64)
         cdef int64_t[::1] view = out
         cdef int64_t pos, ps = self.page_size
         for pos in range(start, stop):
-            view[pos - start] = <int64_t>deref(pages)[pos // ps] * ps + pos % ps
+            view[pos - start] = <int64_t>own.pages[pos // ps] * ps + pos % ps
         return out
 
     def check_rollback(self, seq_id, int64_t new_len):
-        """ValueError unless truncating to ``new_len`` keeps what windowed queries need."""
+        """ValueError unless truncating to ``new_len`` keeps what every pool's queries need."""
         cdef PkvSequence* seq = self.find(seq_id)
-        cdef int64_t held_from = seq.window_released * self.page_size
-        # a query at new_len (the first after the rollback) sees from new_len - window + 1;
-        # only positions given back (before held_from) that it would see are missing
-        if self.windowed and 0 < new_len < seq.length and \
-                max(new_len - self.window + 1, <int64_t>0) < held_from:
-            raise ValueError(
-                f"new_len: the windowed layers gave back this sequence's K/V before position "
-                f"{held_from}, and a query at position {new_len} would see from position "
-                f"{max(new_len - self.window + 1, 0)}; it can be rolled back to "
-                f"{held_from + self.window - 1} tokens at least, or to 0 (a larger "
-                f"window_rollback_tokens keeps more)")
+        cdef Pool pool
+        for pool in self.pools:
+            pool.check_rollback(seq.pools[pool.index], seq.length, new_len)
 
     def truncate(self, seq_id, int64_t new_len):
         """Shorten the sequence to ``new_len`` tokens; pages past it are released."""
         cdef PkvSequence* seq = self.find(seq_id)
+        cdef size_t p
         if not 0 <= new_len <= seq.length:
             raise ValueError(f"new_len: expected 0 <= new_len <= seq_len={seq.length}, got {new_len}")
         self.check_rollback(seq_id, new_len)
         self.abandon_step()
-        release_pages(self.allocator, seq.pages, pages_for(new_len, self.page_size))
-        if self.windowed:
-            release_pages(self.window_allocator, seq.window_pages,
-                          pages_for(new_len, self.page_size))
-            seq.window_released = min(seq.window_released, <int64_t>seq.window_pages.size())
+        for p in range(self.pool_refs.size()):
+            (<Pool>self.pool_refs[p]).truncate(seq.pools[p], pages_for(new_len, self.page_size))
         seq.length = new_len
         if <int64_t>seq.tokens.size() > new_len:
             seq.tokens.resize(new_len)
@@ -657,8 +952,8 @@ cdef class PageTables:
 
     def held_pages(self, seq_id):
         """Pages the sequence holds in the window pool."""
-        cdef PkvSequence* seq = self.find(seq_id)
-        return <int64_t>seq.window_pages.size() - seq.window_released
+        cdef PkvPages* own = self.pool_pages(self.find(seq_id), True)
+        return <int64_t>own.pages.size() - own.released
 
     # -- one step ----------------------------------------------------------------
     cdef int new_page_hashes(self, PkvSequence* seq, int64_t num_new, const int32_t* new_tokens,
@@ -678,36 +973,10 @@ cdef class PageTables:
             out.push_back(parent)
         return 0
 
-    cdef void count_window_releases(self, PkvSequence* seq, int64_t new_len,
-                                    unordered_map[int32_t, int32_t]& releases) noexcept nogil:
-        """Count, per window page, the references a step from seq.length to ``new_len``
-        gives back (a page shared by sequences of the step may lose several)."""
-        cdef int64_t j
-        cdef int64_t upto = min(self.keep_from(seq.length, new_len) // self.page_size,
-                                <int64_t>seq.window_pages.size())
-        for j in range(seq.window_released, upto):
-            if seq.window_pages[j] != RELEASED:
-                releases[seq.window_pages[j]] += 1
-
-    cdef void release_window_recorded(self, PkvSequence* seq, int64_t keep_from,
-                                      int64_t b) noexcept nogil:
-        """``release_window``, keeping each page given back in ``undo_released``."""
-        cdef int64_t upto = min(keep_from // self.page_size, <int64_t>seq.window_pages.size())
-        cdef PkvReleased entry
-        while seq.window_released < upto:
-            if seq.window_pages[seq.window_released] != RELEASED:
-                entry.b = b
-                entry.index = seq.window_released
-                entry.page = seq.window_pages[seq.window_released]
-                self.undo_released.push_back(entry)
-                self.window_allocator.decref_page(entry.page)
-                seq.window_pages[seq.window_released] = RELEASED
-            seq.window_released += 1
-
     def append(self, seq_ids, num_new_tokens, max_seq_len=None, token_ids=None):
         """Reserve slots for ``num_new_tokens[b]`` new tokens of each ``seq_ids[b]``.
 
-        All or nothing, over both pools: on any error no sequence or page
+        All or nothing, over every pool: on any error no sequence or page
         changes, and once it has returned ``undo_append`` takes it back.  A
         sequence whose last page is partly filled and shared (or cached)
         gets a private copy of it first; the (source, destination) pairs are
@@ -717,17 +986,15 @@ cdef class PageTables:
 
         Two phases, each in named steps.  A plan that changes nothing:
         ``plan_step`` validates, hashes the pages the step fills (a user hash
-        function may raise) and counts what each pool must give exactly (the
-        window pages the step gives back count only where the sequence gets
-        new tokens, and only once no sequence holds them:
-        ``count_freed_window_pages``), ``check_room`` raises if a pool is
-        short, ``new_tables`` allocates the tables.  Then ``commit_step``,
-        which cannot fail: ``record_undo``, ``take_window_copies`` (the
-        copies' destinations first), ``give_back_window_pages``, then per
-        sequence ``extend_sequence`` (its full-pool copy, its new pages, its
-        token ids, its rows of the tables), and ``drop_copy_sources`` last:
-        so a copy never writes a page that this step gave back or copies
-        from, and undoing the step finds every page it gave back as it was.
+        function may raise) and has each pool count what it must give
+        exactly (``Pool.plan``: the pages the step gives back count only
+        where the sequence gets new tokens, and only once no sequence holds
+        them), ``Pool.check_room`` raises if a pool is short, ``new_tables``
+        allocates the tables.  Then ``commit_step``, which cannot fail: per
+        pool ``Pool.commit`` (its copies, the pages it gives back, its new
+        pages, its tables, recorded for undo; see there for the order), then
+        per sequence ``extend_sequence`` (its token ids, length and the
+        tables the pools share).
 
         Parameters
         ----------
@@ -746,9 +1013,9 @@ cdef class PageTables:
         -------
         AppendTables
             ``query_start``, ``seq_lens``, ``page_indptr``, ``last_page_len``
-            and, per pool (``full``, and ``window`` with a window pool), its
-            ``slot_mapping``, ``page_indices``, ``block_table`` and the
-            copies ``copy_src`` / ``copy_dst`` (see :class:`PoolTables`).
+            and, per pool (``pools``: ``full``, and ``window`` with a window
+            pool), its ``slot_mapping``, ``page_indices``, ``block_table`` and
+            the copies ``copy_src`` / ``copy_dst`` (see :class:`PoolTables`).
         """
         self.undo_armed = False
         cdef int64_t[::1] ids = seq_ids
@@ -758,6 +1025,7 @@ cdef class PageTables:
         cdef bint track = self.caching and token_ids is not None
         cdef PkvStepPlan plan
         cdef PkvStepOut out
+        cdef Pool pool
         self.num_steps += 1
         if track:
             token_view = token_ids
@@ -765,10 +1033,14 @@ cdef class PageTables:
                 tokens = &token_view[0]
         self.plan_step(plan, ids, counts, -1 if max_seq_len is None else max_seq_len, track,
                        tokens)
-        self.check_room(plan)
+        for pool in self.pools:
+            pool.check_room(plan.pools[pool.index])
         tables = self.new_tables(plan, out)
-        self.undo_seqs.resize(ids.shape[0])   # (may raise MemoryError: before anything changes)
-        self.undo_released.clear()
+        # (these may raise MemoryError: before anything changes)
+        self.undo_seqs.resize(ids.shape[0])
+        for pool in self.pools:
+            pool.undo.resize(ids.shape[0])
+            pool.undo_released.clear()
         self.abandon_step(True)      # a previous step not stored in full is given up
         with nogil:
             self.commit_step(plan, ids, counts, track, tokens, out)
@@ -779,14 +1051,16 @@ cdef class PageTables:
     cdef int plan_step(self, PkvStepPlan& plan, int64_t[::1] ids,
                        int64_t[::1] counts, int64_t cap, bint track,
                        const int32_t* tokens) except -1:
-        """Find and validate every sequence, decide its copies, count each pool's
-        pages and hash the pages the step fills, into ``plan``."""
+        """Find and validate every sequence and hash the pages the step fills, then
+        have each pool decide its copies and count its pages, into ``plan``."""
         cdef Py_ssize_t B = ids.shape[0], b
         cdef PkvSequence* seq
         cdef int64_t new_len, ps = self.page_size
+        cdef Pool pool
         plan.batch.reserve(B)
-        plan.copy_full.resize(B)
-        plan.copy_window.resize(B)
+        plan.pools.resize(len(self.pools))
+        for pool in self.pools:
+            plan.pools[pool.index].copy.resize(B)
         if track:
             plan.hashes.resize(B)
         for b in range(B):
@@ -801,7 +1075,6 @@ cdef class PageTables:
             if new_len >= 2**31:
                 raise ValueError(f"num_new_tokens: sequence {ids[b]} would reach {new_len} tokens, "
                                  f"over the int32 limit of the tables")
-            self.plan_pages(plan, b, seq, counts[b])
             if track and <int64_t>seq.tokens.size() == seq.length:
                 self.new_page_hashes(seq, counts[b], tokens + plan.total_new if counts[b] else NULL,
                                      plan.hashes[b])
@@ -809,58 +1082,13 @@ cdef class PageTables:
             plan.nnz += pages_for(new_len, ps)
             plan.max_pages = max(plan.max_pages, pages_for(new_len, ps))
             plan.batch.push_back(seq)
-        if self.windowed:
-            self.count_freed_window_pages(plan)
-        return 0
-
-    cdef void plan_pages(self, PkvStepPlan& plan, Py_ssize_t b, PkvSequence* seq,
-                         int64_t count) noexcept nogil:
-        """Sequence ``b``'s copies and new pages in each pool, and the window pages
-        its step gives back."""
-        cdef int64_t ps = self.page_size, num_pages = pages_for(seq.length + count, ps)
-        plan.copy_full[b] = must_copy(self.allocator, seq.pages, seq.length, ps, count,
-                                      plan.copies_of)
-        if plan.copy_full[b]:
-            plan.copies_of[seq.pages.back()] += 1
-            plan.num_copies += 1
-        plan.needed += plan.copy_full[b] + num_pages - <int64_t>seq.pages.size()
-        if not self.windowed:
-            return
-        plan.copy_window[b] = must_copy(self.window_allocator, seq.window_pages, seq.length,
-                                        ps, count, plan.window_copies_of)
-        if plan.copy_window[b]:
-            plan.window_copies_of[seq.window_pages.back()] += 1
-            plan.num_window_copies += 1
-        plan.window_new += num_pages - <int64_t>seq.window_pages.size()
-        if count:        # (a sequence without new tokens gives nothing back)
-            self.count_window_releases(seq, seq.length + count, plan.window_releases)
-
-    cdef void count_freed_window_pages(self, PkvStepPlan& plan) noexcept nogil:
-        """The window pages the step frees: those every holder gives back."""
-        for kv in plan.window_releases:
-            plan.window_freed += self.window_allocator.refcount_of(kv.first) == kv.second
-
-    cdef int check_room(self, PkvStepPlan& plan) except -1:
-        """OutOfPagesError unless each pool can give what the plan takes."""
-        if plan.needed > self.allocator.num_free_pages:
-            raise OutOfPagesError(
-                f"append: this step needs {plan.needed} new pages, "
-                f"{self.allocator.num_free_pages} of {self.allocator.num_pages} free"
-                + (" in the full-attention pool" if self.windowed else ""))
-        if self.windowed and (plan.num_window_copies > self.window_allocator.num_free_pages or
-                              plan.num_window_copies + plan.window_new - plan.window_freed
-                              > self.window_allocator.num_free_pages):
-            raise OutOfPagesError(
-                f"append: this step needs {plan.num_window_copies + plan.window_new} new window "
-                f"pages ({plan.num_window_copies} of them copies of shared pages, taken before "
-                f"the {plan.window_freed} it gives back are free), "
-                f"{self.window_allocator.num_free_pages} of {self.window_allocator.num_pages} "
-                f"free in the window pool (the sliding-window layers; num_window_pages)")
+        for pool in self.pools:
+            pool.plan(plan.pools[pool.index], plan.batch, counts)
         return 0
 
     cdef AppendTables new_tables(self, PkvStepPlan& plan, PkvStepOut& out):
         """The step's tables, allocated (``out``: where the commit writes them)."""
-        cdef Py_ssize_t B = plan.batch.size()
+        cdef Py_ssize_t B = plan.batch.size(), p
         cdef AppendTables tables = AppendTables.__new__(AppendTables)
         tables.query_start = np.empty(B + 1, dtype=np.int32)
         tables.seq_lens = np.empty(B, dtype=np.int32)
@@ -871,11 +1099,14 @@ cdef class PageTables:
         out.page_indptr = <int32_t*>cnp.PyArray_DATA(tables.page_indptr)
         out.last_page_len = <int32_t*>cnp.PyArray_DATA(tables.last_page_len)
         out.max_pages = plan.max_pages
-        tables.full = new_pool_tables(out.full, B, plan.total_new, plan.nnz, plan.max_pages,
-                                      plan.num_copies)
-        tables.window = new_pool_tables(out.window, B, plan.total_new, plan.nnz,
-                                        plan.max_pages, plan.num_window_copies) \
-            if self.windowed else None
+        out.pools.resize(plan.pools.size())
+        pool_tables = []
+        for p in range(<Py_ssize_t>plan.pools.size()):
+            pool_tables.append(new_pool_tables(out.pools[p], B, plan.total_new, plan.nnz,
+                                               plan.max_pages, plan.pools[p].num_copies))
+        tables.pools = tuple(pool_tables)
+        tables.full = tables.pools[0]
+        tables.window = tables.pools[1] if len(tables.pools) > 1 else None
         return tables
 
     # (the commit: cannot fail)
@@ -883,93 +1114,43 @@ cdef class PageTables:
                           int64_t[::1] counts, bint track, const int32_t* tokens,
                           PkvStepOut& out) noexcept nogil:
         cdef Py_ssize_t b, B = plan.batch.size()
+        cdef size_t p
         cdef int64_t row = 0
-        self.record_undo(plan, ids)
-        if self.windowed:
-            self.take_window_copies(plan, out.window)
-            self.give_back_window_pages(plan, counts)
+        for p in range(self.pool_refs.size()):
+            (<Pool>self.pool_refs[p]).commit(plan.pools[p], plan.batch, counts, out.pools[p],
+                                             out.max_pages)
         out.query_start[0] = 0
         out.page_indptr[0] = 0
         for b in range(B):
             self.extend_sequence(plan, b, ids[b], counts[b], track, tokens, row, out)
             row += counts[b]
-        self.drop_copy_sources(out)
-
-    cdef void record_undo(self, PkvStepPlan& plan, int64_t[::1] ids) noexcept nogil:
-        """What each sequence is before the step, for ``undo_append``."""
-        cdef Py_ssize_t b
-        cdef PkvSequence* seq
-        cdef PkvUndoSeq* u
-        for b in range(<Py_ssize_t>plan.batch.size()):
-            seq = plan.batch[b]
-            u = &self.undo_seqs[b]
-            u.seq_id = ids[b]
-            u.length = seq.length
-            u.num_pages = seq.pages.size()
-            u.num_window_pages = seq.window_pages.size()
-            u.window_released = seq.window_released
-            u.num_tokens = seq.tokens.size()
-            u.num_hashes = seq.hashes.size()
-            u.copy_source = -1
-            u.window_copy_source = -1
-
-    cdef void take_window_copies(self, PkvStepPlan& plan, PkvPoolOut& window) noexcept nogil:
-        """Private copies of the shared last window pages, before anything is given back."""
-        cdef Py_ssize_t b
-        for b in range(<Py_ssize_t>plan.batch.size()):
-            if plan.copy_window[b]:
-                self.undo_seqs[b].window_copy_source = take_copy(
-                    self.window_allocator, plan.batch[b].window_pages, window)
-
-    cdef void give_back_window_pages(self, PkvStepPlan& plan,
-                                     int64_t[::1] counts) noexcept nogil:
-        """The window pages no query of the step (or after a rollback) can see."""
-        cdef Py_ssize_t b
-        cdef PkvSequence* seq
-        for b in range(<Py_ssize_t>plan.batch.size()):
-            if counts[b]:
-                seq = plan.batch[b]
-                self.release_window_recorded(seq, self.keep_from(seq.length,
-                                                                 seq.length + counts[b]), b)
+        self.undo_batch.swap(plan.batch)
 
     cdef void extend_sequence(self, PkvStepPlan& plan, Py_ssize_t b, int64_t seq_id,
                               int64_t count, bint track, const int32_t* tokens, int64_t row,
                               PkvStepOut& out) noexcept nogil:
-        """Sequence ``b`` of the step: its full-pool copy, new pages in each pool, new
-        token ids (and pending full pages), and its rows of the tables (its new
-        tokens are rows ``row:row + count``)."""
+        """Sequence ``b`` of the step, once every pool has its pages: its new token
+        ids (and pending full pages), its length, and its rows of the tables the
+        pools share (its new tokens are rows ``row:row + count``), each change
+        recorded for ``undo_append``."""
         cdef PkvSequence* seq = plan.batch[b]
-        cdef int64_t ps = self.page_size, old_len = seq.length, new_len = seq.length + count
-        cdef size_t n_pages
-        if plan.copy_full[b]:
-            self.undo_seqs[b].copy_source = take_copy(self.allocator, seq.pages, out.full)
-        grow(self.allocator, seq.pages, pages_for(new_len, ps))
-        if self.windowed:
-            grow(self.window_allocator, seq.window_pages, pages_for(new_len, ps))
+        cdef PkvUndoSeq* u = &self.undo_seqs[b]
+        cdef int64_t ps = self.page_size, new_len = seq.length + count
+        cdef size_t n_pages = seq.pools[0].pages.size()
+        u.seq_id = seq_id
+        u.length = seq.length
+        u.num_tokens = seq.tokens.size()
+        u.num_hashes = seq.hashes.size()
         if track and <int64_t>seq.tokens.size() == seq.length:
             self.open_seqs.push_back(pair[int64_t, int64_t](seq_id, seq.length))
             if count > 0:   # (tokens + row may be one past the end of tokens otherwise)
                 seq.tokens.insert(seq.tokens.end(), tokens + row, tokens + row + count)
             self.record_full_pages(seq_id, seq, plan.hashes[b])
-        n_pages = seq.pages.size()
-        write_tables(seq.pages, old_len, new_len, ps, row, out.full, out.page_indptr[b],
-                     b * out.max_pages)
-        if self.windowed:
-            write_tables(seq.window_pages, old_len, new_len, ps, row, out.window,
-                         out.page_indptr[b], b * out.max_pages)
         seq.length = new_len
         out.page_indptr[b + 1] = out.page_indptr[b] + <int32_t>n_pages
         out.query_start[b + 1] = <int32_t>(row + count)
         out.seq_lens[b] = <int32_t>new_len
         out.last_page_len[b] = <int32_t>(new_len - (<int64_t>n_pages - 1) * ps) if n_pages else 0
-
-    cdef void drop_copy_sources(self, PkvStepOut& out) noexcept nogil:
-        """Let go of the shared pages the step copied, now that its pages are all taken."""
-        cdef int64_t i
-        for i in range(out.full.num_copied):
-            self.allocator.decref_page(out.full.copy_src[i])
-        for i in range(out.window.num_copied):
-            self.window_allocator.decref_page(out.window.copy_src[i])
 
     def undo_append(self):
         """Take back the last ``append``, when what its caller does next with it
@@ -984,41 +1165,20 @@ cdef class PageTables:
             self.undo_last_append()
 
     cdef void undo_last_append(self) noexcept nogil:
-        cdef Py_ssize_t b, i, B = self.undo_seqs.size()
+        cdef Py_ssize_t b, i, B = self.undo_batch.size()
+        cdef size_t p
         cdef PkvSequence* seq
         cdef PkvUndoSeq* u
-        # the commit's steps in reverse: the copies' sources held again, new
-        # pages and full-pool copies dropped, window pages given back taken
-        # back, window-pool copies dropped; then the previous open step
+        # each pool's part (Pool.undo_commit), then each sequence's length and
+        # known tokens, then the previous open step
+        for p in range(self.pool_refs.size()):
+            (<Pool>self.pool_refs[p]).undo_commit(self.undo_batch)
         for b in range(B - 1, -1, -1):
             u = &self.undo_seqs[b]
-            if u.window_copy_source >= 0:
-                self.window_allocator.hold(u.window_copy_source)
-            if u.copy_source >= 0:
-                self.allocator.hold(u.copy_source)
-        for b in range(B - 1, -1, -1):
-            u = &self.undo_seqs[b]
-            seq = &deref(self.seqs.find(u.seq_id)).second
-            if self.windowed:
-                release_pages(self.window_allocator, seq.window_pages, u.num_window_pages)
-            release_pages(self.allocator, seq.pages, u.num_pages)
-            if u.copy_source >= 0:
-                self.allocator.decref_page(seq.pages.back())
-                seq.pages[seq.pages.size() - 1] = u.copy_source
+            seq = self.undo_batch[b]
             seq.length = u.length
             seq.tokens.resize(u.num_tokens)
             seq.hashes.resize(u.num_hashes)
-        for i in range(<Py_ssize_t>self.undo_released.size() - 1, -1, -1):
-            seq = &deref(self.seqs.find(self.undo_seqs[self.undo_released[i].b].seq_id)).second
-            self.window_allocator.hold(self.undo_released[i].page)
-            seq.window_pages[self.undo_released[i].index] = self.undo_released[i].page
-        for b in range(B - 1, -1, -1):
-            u = &self.undo_seqs[b]
-            seq = &deref(self.seqs.find(u.seq_id)).second
-            seq.window_released = u.window_released
-            if u.window_copy_source >= 0:
-                self.window_allocator.decref_page(seq.window_pages.back())
-                seq.window_pages[seq.window_pages.size() - 1] = u.window_copy_source
         for i in range(<Py_ssize_t>self.undo_forgotten.size()):
             it = self.seqs.find(self.undo_forgotten[i].seq_id)
             if it != self.seqs.end():
@@ -1028,7 +1188,7 @@ cdef class PageTables:
         self.undo_pending.clear()
         self.undo_open_seqs.clear()
         self.undo_forgotten.clear()
-        self.undo_released.clear()
+        self.undo_batch.clear()
 
     cdef void record_full_pages(self, int64_t seq_id, PkvSequence* seq,
                                 vector[uint64_t]& new_hashes) noexcept nogil:
@@ -1081,34 +1241,33 @@ cdef class PageTables:
         prefix index, in chain order.
 
         A page joins only if its parent page is cached: the chain is what a
-        later prompt is matched against.  The window page at the same place
-        joins the window pool's index under the full page's entry.  Returns
+        later prompt is matched against.  The pages at the same place in the
+        other pools join their pool's index under the full page's entry.  Returns
         how many full pages joined.
         """
         cdef size_t i
         cdef int64_t parent_entry, j
         cdef int joined = 0
         cdef PkvSequence* seq
+        cdef vector[int32_t]* chain
         for i in range(self.pending.size()):
             it = self.seqs.find(self.pending[i].seq_id)
             if it == self.seqs.end():
                 continue
             seq = &deref(it).second
             j = self.pending[i].index
-            if j >= <int64_t>seq.pages.size() or j >= <int64_t>seq.hashes.size() or \
+            chain = &seq.pools[0].pages
+            if j >= <int64_t>chain.size() or j >= <int64_t>seq.hashes.size() or \
                     seq.hashes[j] != self.pending[i].hash or \
                     (j + 1) * self.page_size > <int64_t>seq.tokens.size():
                 continue
-            parent_entry = ROOT_ENTRY if j == 0 else self.allocator.entry_of(seq.pages[j - 1])
+            parent_entry = ROOT_ENTRY if j == 0 else self.allocator.entry_of(deref(chain)[j - 1])
             if parent_entry == 0 or not self.allocator.cache_page(
-                    seq.pages[j], self.pending[i].hash, parent_entry,
+                    deref(chain)[j], self.pending[i].hash, parent_entry,
                     &seq.tokens[j * self.page_size]):
                 continue
             joined += 1
-            if self.windowed and seq.window_pages[j] != RELEASED:
-                self.window_allocator.cache_page(
-                    seq.window_pages[j], <uint64_t>self.allocator.entry_of(seq.pages[j]),
-                    ROOT_ENTRY, &seq.tokens[j * self.page_size])
+            self.cache_in_other_pools(seq, j)
         self.pending.clear()
         self.open_seqs.clear()
         return joined
@@ -1160,7 +1319,7 @@ cdef class PageTables:
         """A new sequence of ``length`` tokens on new pages, for K/V that come from
         elsewhere (import, load); returns its id.
 
-        All or nothing over both pools.  Its window pages before page
+        All or nothing over every pool.  Its window pages before page
         ``window_from`` are given back from the start.  ``token_ids`` (int32,
         at most ``length``: the leading tokens the cache will know, with
         prefix caching) extend into its hash chain.  ``write(seq_id)`` then
@@ -1201,27 +1360,23 @@ cdef class PageTables:
         self.place(int(seq_id), entry[0], entry[1], window_from, write, "swap_in")
         del self.swapped[int(seq_id)]
 
+
     cdef place(self, int64_t seq_id, int64_t length, token_ids, int64_t window_from, write,
                str caller):
         """``adopt`` and ``swap_in``: sequence ``seq_id`` of ``length`` tokens on new pages."""
-        cdef int64_t ps = self.page_size, j, num_pages = pages_for(length, ps)
-        cdef int64_t window_needed = num_pages - window_from if self.windowed else 0
+        cdef int64_t ps = self.page_size, j, needed, num_pages = pages_for(length, ps)
         cdef const int32_t[::1] tokens
         cdef uint64_t h = ROOT_HASH
         cdef PkvSequence seq
+        cdef Pool pool
         if not 0 <= window_from <= num_pages:
             raise ValueError(f"window_from: expected 0 <= window_from <= {num_pages} pages, "
                              f"got {window_from}")
-        if num_pages > self.allocator.num_free_pages:
-            raise OutOfPagesError(
-                f"{caller}: this sequence of {length} tokens needs {num_pages} pages, "
-                f"{self.allocator.num_free_pages} of {self.allocator.num_pages} free"
-                + (" in the full-attention pool" if self.windowed else ""))
-        if window_needed > 0 and window_needed > self.window_allocator.num_free_pages:
-            raise OutOfPagesError(
-                f"{caller}: this sequence of {length} tokens needs {window_needed} window pages, "
-                f"{self.window_allocator.num_free_pages} of {self.window_allocator.num_pages} "
-                f"free in the window pool (the sliding-window layers; num_window_pages)")
+        for pool in self.pools:
+            needed = num_pages - pool.first_held(window_from)
+            if needed > pool.allocator.num_free_pages:
+                raise OutOfPagesError(f"{caller}: this sequence of {length} tokens needs "
+                                      f"{needed} {pool.noun}, {pool.free_text()}")
         if self.caching and token_ids is not None and len(token_ids):
             tokens = token_ids
             if tokens.shape[0] > length:
@@ -1232,13 +1387,9 @@ cdef class PageTables:
                 h = self.page_hash(h, &tokens[j * ps])
                 seq.hashes.push_back(h)
             seq.tokens.assign(&tokens[0], &tokens[0] + tokens.shape[0])
-        for j in range(num_pages):
-            seq.pages.push_back(self.allocator.take_page())
-        if self.windowed:
-            seq.window_pages.assign(window_from, RELEASED)
-            seq.window_released = window_from
-            for j in range(window_from, num_pages):
-                seq.window_pages.push_back(self.window_allocator.take_page())
+        seq.pools.resize(len(self.pools))
+        for pool in self.pools:
+            pool.start(seq.pools[pool.index], pool.first_held(window_from), num_pages)
         seq.length = length
         self.seqs[seq_id] = seq
         try:
@@ -1252,17 +1403,24 @@ cdef class PageTables:
 
     cdef void cache_known_pages(self, PkvSequence* seq) noexcept nogil:
         """Enter a written sequence's full pages of known tokens in the prefix index,
-        in chain order, with their window pages (as ``close_step`` does)."""
+        in chain order, with their pages in the other pools (as ``close_step`` does)."""
         cdef int64_t j, parent_entry, ps = self.page_size
+        cdef vector[int32_t]* chain = &seq.pools[0].pages
         for j in range(<int64_t>seq.hashes.size()):
-            parent_entry = ROOT_ENTRY if j == 0 else self.allocator.entry_of(seq.pages[j - 1])
+            parent_entry = ROOT_ENTRY if j == 0 else self.allocator.entry_of(deref(chain)[j - 1])
             if parent_entry == 0 or not self.allocator.cache_page(
-                    seq.pages[j], seq.hashes[j], parent_entry, &seq.tokens[j * ps]):
+                    deref(chain)[j], seq.hashes[j], parent_entry, &seq.tokens[j * ps]):
                 continue
-            if self.windowed and seq.window_pages[j] != RELEASED:
-                self.window_allocator.cache_page(
-                    seq.window_pages[j], <uint64_t>self.allocator.entry_of(seq.pages[j]),
-                    ROOT_ENTRY, &seq.tokens[j * ps])
+            self.cache_in_other_pools(seq, j)
+
+    cdef void cache_in_other_pools(self, PkvSequence* seq, int64_t j) noexcept nogil:
+        """Cache the sequence's page ``j`` of every pool but the first (where held)
+        under the entry of its full page ``j``, just cached."""
+        cdef size_t p
+        cdef int64_t entry = self.allocator.entry_of(seq.pools[0].pages[j])
+        for p in range(1, self.pool_refs.size()):
+            (<Pool>self.pool_refs[p]).cache_under(seq.pools[p], j, entry,
+                                                  &seq.tokens[j * self.page_size])
 
     def cached_chains(self):
         """The prefix cache's pages that a prompt can reach, parents first.
@@ -1277,6 +1435,7 @@ cdef class PageTables:
             when it is not cached or no layer is windowed).
         """
         cdef PageAllocator a = self.allocator
+        cdef Pool pool
         cdef int32_t p
         cdef int64_t entry, parent
         cdef list found = []
@@ -1286,7 +1445,8 @@ cdef class PageTables:
                     found.append((a._entry[p], p))
         found.sort()          # entries grow with each insertion: parents come first
         index_of = {}
-        pages, parents, windows = [], [], []
+        pages, parents = [], []
+        others = [[] for _ in self.pools[1:]]     # per other pool: its page of each
         for entry, p in found:
             parent = a._parent_entry[p]
             if parent != ROOT_ENTRY and parent not in index_of:
@@ -1294,13 +1454,14 @@ cdef class PageTables:
             index_of[entry] = len(pages)
             pages.append(p)
             parents.append(-1 if parent == ROOT_ENTRY else index_of[parent])
-            windows.append(self.window_allocator.lookup(<uint64_t>entry, ROOT_ENTRY,
-                                                        &a._tokens[p, 0])
-                           if self.windowed else -1)
+            for pool in self.pools[1:]:
+                others[pool.index - 1].append(
+                    pool.allocator.lookup(<uint64_t>entry, ROOT_ENTRY, &a._tokens[p, 0]))
         page_ids = np.asarray(pages, dtype=np.int32)
         return {"pages": page_ids, "parents": np.asarray(parents, dtype=np.int64),
                 "tokens": np.asarray(a._tokens)[page_ids].reshape(len(pages), self.page_size),
-                "window_pages": np.asarray(windows, dtype=np.int32)}
+                "window_pages": np.asarray(others[0] if others else [-1] * len(pages),
+                                           dtype=np.int32)}
 
     def add_cached_chains(self, token_ids, parents, has_window, write, int64_t reserve=0,
                           int64_t reserve_window=0):
@@ -1340,20 +1501,25 @@ cdef class PageTables:
         cdef const int32_t[:, ::1] tokens = token_ids
         cdef const int64_t[::1] parent = parents
         cdef const cnp.uint8_t[::1] window = has_window.view(np.uint8)
-        cdef Py_ssize_t N = tokens.shape[0], i
-        cdef int64_t entry, needed = 0, window_needed = 0, busy = 0, window_busy = 0
+        cdef Py_ssize_t N = tokens.shape[0], i, P = len(self.pools), q
+        cdef int64_t entry
+        cdef Pool pool
         if tokens.shape[1] != self.page_size or parent.shape[0] != N or window.shape[0] != N:
             raise ValueError(f"token_ids, parents, has_window: expected shapes [N, "
                              f"{self.page_size}], [N], [N], got {list(token_ids.shape)}, "
                              f"{list(parents.shape)}, {list(has_window.shape)}")
         hashes = np.zeros(N, dtype=np.uint64)
         cdef uint64_t[::1] h = hashes
-        pages_out = np.full(N, -1, dtype=np.int32)
-        window_out = np.full(N, -1, dtype=np.int32)
-        write_pages = np.full(N, -1, dtype=np.int32)
-        write_window = np.full(N, -1, dtype=np.int32)
-        cdef int32_t[::1] page = pages_out, wpage = window_out
-        cdef int32_t[::1] new_page = write_pages, new_wpage = write_window
+        # per pool (rows; the first pool holds the chains, the others the pages
+        # has_window names): the page of each, and the new ones to write (a
+        # window row either way: write takes both)
+        held = np.full((P, N), -1, dtype=np.int32)
+        fresh = np.full((max(P, 2), N), -1, dtype=np.int32)
+        cdef int32_t[:, ::1] page = held, new_page = fresh
+        cdef vector[int64_t] needed, busy        # per pool
+        needed.assign(P, 0)
+        busy.assign(P, 0)
+        reserves = (reserve, reserve_window)
         # Plan: hash every page, find those cached here already; nothing changes yet.
         for i in range(N):
             if not -1 <= parent[i] < i:
@@ -1361,72 +1527,65 @@ cdef class PageTables:
                                  f"an earlier page")
             h[i] = self.page_hash(ROOT_HASH if parent[i] < 0 else h[parent[i]], &tokens[i, 0])
             entry = ROOT_ENTRY if parent[i] < 0 else \
-                (self.allocator.entry_of(page[parent[i]]) if page[parent[i]] >= 0 else 0)
+                (self.allocator.entry_of(page[0, parent[i]]) if page[0, parent[i]] >= 0 else 0)
             if entry != 0:
-                page[i] = self.allocator.lookup(h[i], entry, &tokens[i, 0])
-            if page[i] >= 0:
-                busy += self.allocator.refcount_of(page[i]) == 0
-                if self.windowed and window[i]:
-                    wpage[i] = self.window_allocator.lookup(
-                        <uint64_t>self.allocator.entry_of(page[i]), ROOT_ENTRY, &tokens[i, 0])
-                    if wpage[i] >= 0:
-                        window_busy += self.window_allocator.refcount_of(wpage[i]) == 0
-                    else:
-                        window_needed += 1
+                page[0, i] = self.allocator.lookup(h[i], entry, &tokens[i, 0])
+            if page[0, i] >= 0:
+                busy[0] += self.allocator.refcount_of(page[0, i]) == 0
             else:
-                needed += 1
-                window_needed += self.windowed and window[i]
-        if needed + reserve + busy > self.allocator.num_free_pages:
-            raise OutOfPagesError(
-                f"load: the prefix cache's chains need {needed} pages besides the "
-                f"sequences' {reserve}, {self.allocator.num_free_pages - busy} of "
-                f"{self.allocator.num_pages} free"
-                + (" in the full-attention pool" if self.windowed else ""))
-        if self.windowed and window_needed + reserve_window + window_busy > \
-                self.window_allocator.num_free_pages:
-            raise OutOfPagesError(
-                f"load: the prefix cache's chains need {window_needed} window pages besides "
-                f"the sequences' {reserve_window}, "
-                f"{self.window_allocator.num_free_pages - window_busy} of "
-                f"{self.window_allocator.num_pages} free in the window pool")
+                needed[0] += 1
+            for q in range(1, P if window[i] else 1):
+                pool = <Pool>self.pool_refs[q]
+                if page[0, i] >= 0:
+                    page[q, i] = pool.allocator.lookup(
+                        <uint64_t>self.allocator.entry_of(page[0, i]), ROOT_ENTRY,
+                        &tokens[i, 0])
+                if page[q, i] >= 0:
+                    busy[q] += pool.allocator.refcount_of(page[q, i]) == 0
+                else:
+                    needed[q] += 1
+        for pool in self.pools:
+            q = pool.index
+            if needed[q] + reserves[q] + busy[q] > pool.allocator.num_free_pages:
+                raise OutOfPagesError(
+                    f"load: the prefix cache's chains need {needed[q]} {pool.noun} besides the "
+                    f"sequences' {reserves[q]}, {pool.free_text(busy[q], False)}")
         # Commit: hold the pages found (before any take could evict one), take the
         # new ones, write, cache, let go.
         for i in range(N):
-            if page[i] >= 0:
-                self.allocator.acquire(page[i])
-            if wpage[i] >= 0:
-                self.window_allocator.acquire(wpage[i])
+            for q in range(P):
+                if page[q, i] >= 0:
+                    (<Pool>self.pool_refs[q]).allocator.acquire(page[q, i])
         for i in range(N):
-            if page[i] < 0:
-                page[i] = new_page[i] = self.allocator.take_page()
-            if self.windowed and window[i] and wpage[i] < 0:
-                wpage[i] = new_wpage[i] = self.window_allocator.take_page()
+            for q in range(P if window[i] else 1):
+                if page[q, i] < 0:
+                    page[q, i] = new_page[q, i] = (<Pool>self.pool_refs[q]).allocator.take_page()
         try:
-            write(write_pages, write_window)
+            write(fresh[0], fresh[1])
         except BaseException:
-            self.release_chains(page, wpage)
+            self.release_chains(page)
             raise
         cdef int64_t joined = 0
         for i in range(N):
-            entry = ROOT_ENTRY if parent[i] < 0 else self.allocator.entry_of(page[parent[i]])
-            if new_page[i] >= 0 and entry != 0:
-                self.allocator.cache_page(page[i], h[i], entry, &tokens[i, 0])
-            if self.allocator.entry_of(page[i]) == 0:
+            entry = ROOT_ENTRY if parent[i] < 0 else self.allocator.entry_of(page[0, parent[i]])
+            if new_page[0, i] >= 0 and entry != 0:
+                self.allocator.cache_page(page[0, i], h[i], entry, &tokens[i, 0])
+            if self.allocator.entry_of(page[0, i]) == 0:
                 continue
             joined += 1
-            if new_wpage[i] >= 0:
-                self.window_allocator.cache_page(
-                    wpage[i], <uint64_t>self.allocator.entry_of(page[i]), ROOT_ENTRY,
-                    &tokens[i, 0])
-        self.release_chains(page, wpage)
+            for q in range(1, P):
+                if new_page[q, i] >= 0:
+                    (<Pool>self.pool_refs[q]).allocator.cache_page(
+                        page[q, i], <uint64_t>self.allocator.entry_of(page[0, i]), ROOT_ENTRY,
+                        &tokens[i, 0])
+        self.release_chains(page)
         return joined
 
-    cdef void release_chains(self, int32_t[::1] page, int32_t[::1] wpage) noexcept nogil:
+    cdef void release_chains(self, int32_t[:, ::1] page) noexcept nogil:
         """Drop the references ``add_cached_chains`` took, last page first (so that
         a chain's tail is evicted before its head)."""
-        cdef Py_ssize_t i
-        for i in range(page.shape[0] - 1, -1, -1):
-            if page[i] >= 0:
-                self.allocator.decref_page(page[i])
-            if wpage[i] >= 0:
-                self.window_allocator.decref_page(wpage[i])
+        cdef Py_ssize_t i, q
+        for i in range(page.shape[1] - 1, -1, -1):
+            for q in range(page.shape[0]):
+                if page[q, i] >= 0:
+                    (<Pool>self.pool_refs[q]).allocator.decref_page(page[q, i])
