@@ -20,7 +20,9 @@ Cases (32 query heads over 8 KV heads, head_dim 128, float32, page 16, one layer
 Each round runs base and head once per backend, alternating which goes first;
 each child times a case as the best of ``--repeat`` calls after a warm-up.  The
 figure per case is the median over rounds of the per-round time ratio
-head/base, with its range; "no regression" when that median is <= 1.05.
+head/base, with its range, next to each side's median time; "no regression"
+when that median ratio is <= 1.05.  A default run takes about 4-5 minutes on
+two cores (the base build about 1 minute of it).
 
     python benchmarks/bench_ab.py [--base 970316e] [--backends host,opencl] [--rounds 5]
         [--cases decode,prefill,windowed,int8,softcap] [--repeat 7] [--keep-base DIR]
@@ -244,6 +246,7 @@ def main(argv):
     trees = {"base": base_tree, "head": HEAD_TREE}
     # (backend, case) -> per-round times {"base": [...], "head": [...]}
     times = {(b, c): {"base": [], "head": []} for b in backends for c in cases}
+    imported = {}
     t_rounds = time.perf_counter()
     try:
         for r in range(args.rounds):
@@ -254,6 +257,7 @@ def main(argv):
                     got = _run_child(trees[side], backend, cases, args.repeat, workdir)
                     for c in cases:
                         times[backend, c][side].append(got["times"][c])
+                    imported[side] = f"{os.path.dirname(got['pagedkv'])}, kernels {got['kernels']}"
                     print(f"round {r + 1}/{args.rounds} {backend} {side}: "
                           f"{time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     finally:
@@ -268,8 +272,9 @@ def main(argv):
                      f"{statistics.median(t['head']) * 1e3:.2f}",
                      f"**{median:.3f}** ({min(ratios):.3f}-{max(ratios):.3f})",
                      "no regression" if median <= 1.05 else "slower"])
-    print(f"base {base[:12]} ({_git('log', '-1', '--format=%s', base)})")
-    print(f"head {head[:12]}{head[40:]}")
+    print(f"base {base[:12]} ({_git('log', '-1', '--format=%s', base)}): "
+          f"{imported.get('base')}")
+    print(f"head {head[:12]}{head[40:]}: {imported.get('head')}")
     print(f"{args.rounds} rounds, best of {args.repeat} calls per case and side; "
           f"children {time.perf_counter() - t_rounds:.0f} s, "
           f"whole run {time.perf_counter() - t_start:.0f} s")
