@@ -212,7 +212,8 @@ def serve(args, model_path, prompt_ids, stop_ids, num_pages, on_token, *, max_se
 
     def worker_args(prefix_caching):
         cache_args = argparse.Namespace(page_size=args.page_size, kv_dtype=args.kv_dtype,
-                                        backend=args.backend, prefix_caching=prefix_caching)
+                                        backend=args.backend, prefix_caching=prefix_caching,
+                                        cascade=args.cascade)
         return model_path, cache_args, num_pages, engine_options, args.blas_threads
 
     # on two nodes when the cluster has them (SPREAD), else side by side; num_cpus=0:
