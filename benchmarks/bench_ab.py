@@ -6,29 +6,31 @@ side ("head") is the checkout the script lives in, which must be built in place.
 Every measurement runs in a fresh interpreter with ``PYTHONPATH=<tree>`` and a
 working directory outside both trees; the child checks that it imported that
 tree's ``pagedkv`` (and its OpenCL kernel sources), and fails otherwise.  One
-child builds the caches of one backend and times all the cases, the caches
-always made in the same order (on PoCL a cache made later in a process runs a
-few percent faster than one made earlier).
+child builds one cache and times one case, so that no case runs on a process
+that an earlier case warmed, fragmented or left PoCL threads in.
 
 Cases (32 query heads over 8 KV heads, head_dim 128, float32, page 16, one layer):
   decode    32 sequences x 2,048 tokens, one new token each
   prefill   one sequence, 2,048 new tokens (causal)
   windowed  32 sequences x 8,192 tokens, one new token each, ``sliding_window=512``
   int8      the decode case with ``dtype="int8"``
-  softcap   the decode case with ``logits_soft_cap=30.0`` (on the decode case's cache)
+  softcap   the decode case with ``logits_soft_cap=30.0``
 
-Each round runs base and head once per backend, alternating which goes first;
-each child times a case as the best of ``--repeat`` calls after a warm-up.  The
-figure per case is the median over rounds of the per-round time ratio
-head/base, with its range, next to each side's median time; "no regression"
-when that median ratio is <= 1.05.  A default run takes about 4-5 minutes on
-two cores (the base build about 1 minute of it).
+Each round runs base and head once for every (backend, case), base first in
+even rounds and head first in odd ones; each child times its case as the best
+of ``--repeat`` calls after a warm-up.  The figure per case is the median over
+rounds of the per-round time ratio head/base, with its range, next to each
+side's median time; "no regression" when that median ratio is <= 1.05.  The
+verdict also says when the two sides' outputs differ (sum of |output| off by
+more than 1e-3 relative): then the sides do not compute the same thing.  A
+default run (5 rounds, both backends, every case: 100 children) takes about
+MINUTES minutes on two cores, plus the base build (1-4 minutes).
 
     python benchmarks/bench_ab.py [--base 970316e] [--backends host,opencl] [--rounds 5]
-        [--cases decode,prefill,windowed,int8,softcap] [--repeat 7] [--keep-base DIR]
+        [--cases decode,prefill,windowed,int8,softcap] [--repeat 5] [--keep-base DIR]
 
 ``--keep-base DIR`` keeps the base worktree (built) in DIR and reuses it on
-later runs, which saves the build (2-4 minutes on two cores).
+later runs, which saves the build.
 """
 import argparse
 import glob
@@ -49,16 +51,17 @@ CASES = ("decode", "prefill", "windowed", "int8", "softcap")
 NUM_SEQS, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, PAGE = 32, 32, 8, 128, 16
 DECODE_LEN, PREFILL_LEN, WINDOW_LEN, WINDOW = 2048, 2048, 8192, 512
 SOFT_CAP = 30.0
-# case -> (the cache it runs on, attention keyword arguments)
-CASE_SPEC = {
-    "decode": ("float32", {}),
-    "prefill": ("prefill", {}),
-    "windowed": ("windowed", {"sliding_window": WINDOW}),
-    "int8": ("int8", {}),
-    "softcap": ("float32", {"logits_soft_cap": SOFT_CAP}),
+# The sides' sums of |attention output| may differ by this much (relative): summation
+# order and int8 rounding may change between commits, the result may not.
+CHECKSUM_RTOL = 1e-3
+# case -> attention keyword arguments
+CASE_KWARGS = {
+    "decode": {},
+    "prefill": {},
+    "windowed": {"sliding_window": WINDOW},
+    "int8": {},
+    "softcap": {"logits_soft_cap": SOFT_CAP},
 }
-# The order caches are made in, whichever cases a run asks for.
-CACHE_ORDER = ("float32", "prefill", "windowed", "int8")
 BUILT_MARKER = ".bench_ab_built"
 
 
@@ -125,39 +128,33 @@ def _prefill_cache(pagedkv, backend, rows):
     return cache, batch, q
 
 
+def _case_cache(pagedkv, backend, case):
+    """The cache, batch and queries that ``case`` times."""
+    if case == "prefill":
+        return _prefill_cache(pagedkv, backend, _kv_rows(PREFILL_LEN))
+    if case == "windowed":
+        return _decode_cache(pagedkv, backend, "float32", WINDOW_LEN, _kv_rows(WINDOW_LEN))
+    dtype = "int8" if case == "int8" else "float32"
+    return _decode_cache(pagedkv, backend, dtype, DECODE_LEN, _kv_rows(DECODE_LEN))
+
+
 def child(argv):
     parser = argparse.ArgumentParser()
     parser.add_argument("--child", required=True, help="the tree whose pagedkv to time")
     parser.add_argument("--backend", required=True)
-    parser.add_argument("--cases", required=True)
+    parser.add_argument("--case", required=True, choices=CASES)
     parser.add_argument("--repeat", type=int, required=True)
     args = parser.parse_args(argv)
     pagedkv, kernels = _import_tree_pagedkv(args.child)
     from _common import best_seconds
 
-    cases = args.cases.split(",")
-    needed = {CASE_SPEC[c][0] for c in cases}
-    rows = {length: _kv_rows(length) for length in (DECODE_LEN, WINDOW_LEN)}
-    caches = {}
-    for name in CACHE_ORDER:
-        if name not in needed:
-            continue
-        if name == "prefill":
-            caches[name] = _prefill_cache(pagedkv, args.backend, rows[DECODE_LEN])
-        elif name == "windowed":
-            caches[name] = _decode_cache(pagedkv, args.backend, "float32", WINDOW_LEN,
-                                         rows[WINDOW_LEN])
-        else:
-            caches[name] = _decode_cache(pagedkv, args.backend, name, DECODE_LEN,
-                                         rows[DECODE_LEN])
-    del rows
-    times = {}
-    for case in cases:
-        cache_name, kwargs = CASE_SPEC[case]
-        cache, batch, q = caches[cache_name]
-        times[case] = best_seconds(lambda: cache.attention(0, batch, q, **kwargs),
-                                   repeat=args.repeat, warmup=1)
-    print(json.dumps({"pagedkv": pagedkv.__file__, "kernels": kernels, "times": times}))
+    cache, batch, q = _case_cache(pagedkv, args.backend, args.case)
+    kwargs = CASE_KWARGS[args.case]
+    out = np.asarray(cache.attention(0, batch, q, **kwargs))     # also the warm-up
+    seconds = best_seconds(lambda: cache.attention(0, batch, q, **kwargs),
+                           repeat=args.repeat, warmup=0)
+    print(json.dumps({"pagedkv": pagedkv.__file__, "kernels": kernels, "seconds": seconds,
+                      "checksum": float(np.abs(out.astype(np.float64)).sum())}))
 
 
 # -- the parent: the base worktree, the rounds, the table ----------------------------
@@ -207,14 +204,14 @@ def _remove_tree(tree):
     subprocess.run(["git", "worktree", "prune"], cwd=HEAD_TREE, capture_output=True)
 
 
-def _run_child(tree, backend, cases, repeat, workdir):
+def _run_child(tree, backend, case, repeat, workdir):
     env = dict(os.environ, PYTHONPATH=tree)
     cmd = [sys.executable, os.path.abspath(__file__), "--child", tree, "--backend", backend,
-           "--cases", ",".join(cases), "--repeat", str(repeat)]
+           "--case", case, "--repeat", str(repeat)]
     proc = subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True)
     if proc.returncode:
         sys.stderr.write(proc.stdout + proc.stderr)
-        raise SystemExit(f"bench_ab: the child for {tree} ({backend}) failed "
+        raise SystemExit(f"bench_ab: the child for {tree} ({backend}, {case}) failed "
                          f"(exit {proc.returncode})")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -225,7 +222,7 @@ def main(argv):
     parser = backends_parser(__doc__)
     parser.add_argument("--base", default="970316e", help="the commit to compare against")
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--repeat", type=int, default=7, help="timed calls per case (best)")
+    parser.add_argument("--repeat", type=int, default=5, help="timed calls per case (best)")
     parser.add_argument("--cases", default=",".join(CASES))
     parser.add_argument("--keep-base", metavar="DIR",
                         help="keep the built base worktree in DIR (reused when there)")
@@ -246,20 +243,27 @@ def main(argv):
     trees = {"base": base_tree, "head": HEAD_TREE}
     # (backend, case) -> per-round times {"base": [...], "head": [...]}
     times = {(b, c): {"base": [], "head": []} for b in backends for c in cases}
+    # (backend, case) -> side -> sum of |output|: both sides must compute the same thing
+    checksums = {(b, c): {} for b in backends for c in cases}
     imported = {}
     t_rounds = time.perf_counter()
     try:
         for r in range(args.rounds):
             order = ("base", "head") if r % 2 == 0 else ("head", "base")
             for backend in backends:
-                for side in order:
-                    t0 = time.perf_counter()
-                    got = _run_child(trees[side], backend, cases, args.repeat, workdir)
-                    for c in cases:
-                        times[backend, c][side].append(got["times"][c])
-                    imported[side] = f"{os.path.dirname(got['pagedkv'])}, kernels {got['kernels']}"
-                    print(f"round {r + 1}/{args.rounds} {backend} {side}: "
-                          f"{time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+                for case in cases:
+                    took = []
+                    for side in order:
+                        t0 = time.perf_counter()
+                        got = _run_child(trees[side], backend, case, args.repeat, workdir)
+                        times[backend, case][side].append(got["seconds"])
+                        checksums[backend, case][side] = got["checksum"]
+                        imported[side] = (f"{os.path.dirname(got['pagedkv'])}, "
+                                          f"kernels {got['kernels']}")
+                        took.append(f"{side} {got['seconds'] * 1e3:.2f} ms "
+                                    f"({time.perf_counter() - t0:.1f} s)")
+                    print(f"round {r + 1}/{args.rounds} {backend} {case}: {', '.join(took)}",
+                          file=sys.stderr, flush=True)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
         if not args.keep_base:
@@ -268,10 +272,13 @@ def main(argv):
     for (backend, case), t in times.items():
         ratios = [h / b for h, b in zip(t["head"], t["base"])]
         median = statistics.median(ratios)
+        verdict = "no regression" if median <= 1.05 else "slower"
+        sums = checksums[backend, case]
+        if abs(sums["head"] - sums["base"]) > CHECKSUM_RTOL * abs(sums["base"]):
+            verdict += f" (outputs differ: sum |out| {sums['base']:.6g} vs {sums['head']:.6g})"
         rows.append([backend, case, f"{statistics.median(t['base']) * 1e3:.2f}",
                      f"{statistics.median(t['head']) * 1e3:.2f}",
-                     f"**{median:.3f}** ({min(ratios):.3f}-{max(ratios):.3f})",
-                     "no regression" if median <= 1.05 else "slower"])
+                     f"**{median:.3f}** ({min(ratios):.3f}-{max(ratios):.3f})", verdict])
     print(f"base {base[:12]} ({_git('log', '-1', '--format=%s', base)}): "
           f"{imported.get('base')}")
     print(f"head {head[:12]}{head[40:]}: {imported.get('head')}")
