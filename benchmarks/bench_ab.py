@@ -24,7 +24,8 @@ side's median time; "no regression" when that median ratio is <= 1.05.  The
 verdict also says when the two sides' outputs differ (sum of |output| off by
 more than 1e-3 relative): then the sides do not compute the same thing.  A
 default run (5 rounds, both backends, every case: 100 children) takes about
-MINUTES minutes on two cores, plus the base build (1-4 minutes).
+3 minutes on two cores (160 s of children, 2026-12-02), plus the base build
+(1 minute with a warm compiler cache, up to 4 without).
 
     python benchmarks/bench_ab.py [--base 970316e] [--backends host,opencl] [--rounds 5]
         [--cases decode,prefill,windowed,int8,softcap] [--repeat 5] [--keep-base DIR]
