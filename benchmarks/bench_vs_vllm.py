@@ -85,7 +85,11 @@ def vllm_isa(torch, dtype, block_size):
     cannot be imported without vLLM's whole config stack): AMX for bfloat16 on a CPU
     with AMX tiles, "vec" for blocks that are a multiple of 32, else "vec16"."""
     if block_size % 32 == 0 and dtype == torch.bfloat16 and torch.cpu._is_amx_tile_supported():
-        return "amx"
+        # Linux hands out AMX tile state only on request (arch_prctl
+        # ARCH_REQ_XCOMP_PERM); vLLM's server gets it from torch at start-up,
+        # a bare call of its op would die of SIGILL.
+        if torch._C._cpu._init_amx():
+            return "amx"
     return "vec" if block_size % 32 == 0 else "vec16"
 
 
