@@ -20,7 +20,9 @@ and bfloat16):
            measured in every round;
   window   the GQA decode with a sliding window of 512 (vLLM's
            ``sliding_window_size``): bytes of the window read;
-  prefill  one causal sequence of 2,048 tokens, GQA and MHA: GFLOP/s.
+  prefill  one causal sequence of 2,048 tokens, GQA and MHA: GFLOP/s, and
+           that as a fraction of torch's float32 sgemm rate (2,048 x 2,048, every
+           thread) measured in every round.
 pagedkv stores bfloat16 itself where it can (``dtype="bfloat16"``, since
 2026-12-02); a pagedkv without it gets the same values in float16 storage
 (the case's label then says "pagedkv: float16").
@@ -264,22 +266,30 @@ class Result:
     theirs: float
     ratio: float            # median of the rounds' pagedkv / vLLM
     ratio_range: tuple
-    ours_stream: float      # median of the rounds' (bytes / s) / stream read
-    theirs_stream: float
+    ours_stream: float      # median of the rounds' (bytes / s) / stream read; prefill:
+    theirs_stream: float    # (FLOP / s) / sgemm rate
     setup_s: float
 
     def row(self):
         decode = self.case.kind != "prefill"
         rates = [f"{self.work / t / 1e9:.{2 if decode else 1}f}" for t in (self.ours, self.theirs)]
-        streams = [f"{x:.2f}" if decode else "-" for x in (self.ours_stream, self.theirs_stream)]
+        streams = [f"{x:.2f}" for x in (self.ours_stream, self.theirs_stream)]
         return [self.case.label, self.isa, f"{self.ours * 1e3:.1f}", f"{self.theirs * 1e3:.1f}",
                 f"**{self.ratio:.2f}** ({self.ratio_range[0]:.2f}-{self.ratio_range[1]:.2f})",
                 *rates, *streams, f"{self.between:.1e}" + ("" if self.agrees else " MISMATCH")]
 
 
 HEADER = ["case", "vLLM ISA", "pagedkv ms", "vLLM ms", "pagedkv / vLLM (range)",
-          "pagedkv GB/s, GFLOP/s", "vLLM GB/s, GFLOP/s", "pagedkv x stream", "vLLM x stream",
-          "max diff"]
+          "pagedkv GB/s, GFLOP/s", "vLLM GB/s, GFLOP/s", "pagedkv x stream, x sgemm",
+          "vLLM x stream, x sgemm", "max diff"]
+
+
+def sgemm_rate(torch):
+    """FLOP/s of torch's float32 matrix product of two 2,048 x 2,048 matrices on
+    every thread, best of 3: the compute ceiling that prefill's rate is set against
+    (attention's two products are smaller and come with a softmax between)."""
+    a = torch.randn(2048, 2048)
+    return 2 * 2048 ** 3 / best_seconds(lambda: torch.mm(a, a), repeat=3, warmup=1)
 
 
 def run_case(case, args, torch, ops, stream, rng):
@@ -296,7 +306,8 @@ def run_case(case, args, torch, ops, stream, rng):
     for r in range(args.rounds):
         for name in ("pagedkv", "vllm") if r % 2 == 0 else ("vllm", "pagedkv"):
             times[name].append(best_seconds(getattr(side, name), repeat=repeat, warmup=1))
-        bandwidths.append(stream.bandwidth(repeat=3))
+        bandwidths.append(stream.bandwidth(repeat=3) if case.kind != "prefill"
+                          else sgemm_rate(torch))
     ours, theirs = times["pagedkv"], times["vllm"]
     ratios = [a / b for a, b in zip(ours, theirs)]
     med = statistics.median
