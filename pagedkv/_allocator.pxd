@@ -9,6 +9,9 @@ cdef class PageAllocator:
     cdef int num_free_pages          # free + evictable: what an allocation can take
     cdef int num_evictable           # free pages that still hold a cached prefix
     cdef readonly int64_t num_evictions
+    # pages with two references or more: 0 means no two holders (sequences) share
+    # a page, which lets a step skip the shared-prefix (cascade) search
+    cdef readonly int64_t num_shared_pages
     cdef int32_t[::1] _refcount
     # The free queue: an intrusive doubly linked list over page ids (-1 ends
     # it), so that taking, returning or reviving any page is O(1).  Allocation

@@ -50,6 +50,12 @@ cdef class PageAllocator:
 
     Every operation is O(1) per page.  ``allocate`` hands pages out with a
     ref count of 1; a page is in the free queue exactly when its count is 0.
+
+    Attributes
+    ----------
+    num_shared_pages : int
+        Pages with a ref count of 2 or more (held by several sequences: forks,
+        prefix-cache hits); kept as counts change, so reading it is O(1).
     """
 
     def __cinit__(self, int num_pages, int page_size=1, bint prefix_caching=False):
@@ -75,6 +81,7 @@ cdef class PageAllocator:
         self.num_evictable = 0
         self.num_evictions = 0
         self.num_cache_insertions = 0
+        self.num_shared_pages = 0
         cdef int32_t p
         for p in range(num_pages):
             self._push_tail(p)
@@ -129,11 +136,15 @@ cdef class PageAllocator:
 
     cdef void incref_page(self, int32_t page) noexcept nogil:
         self._refcount[page] += 1
+        if self._refcount[page] == 2:
+            self.num_shared_pages += 1
 
     cdef bint decref_page(self, int32_t page) noexcept nogil:
         """Drop one reference; return True if the page went back to the free queue."""
         self._refcount[page] -= 1
         if self._refcount[page] > 0:
+            if self._refcount[page] == 1:
+                self.num_shared_pages -= 1
             return False
         if self._entry[page]:
             self._push_tail(page)       # most recently used end: evicted last
@@ -170,6 +181,8 @@ cdef class PageAllocator:
             self._unlink(page)
             self.num_evictable -= 1
         self._refcount[page] += 1
+        if self._refcount[page] == 2:
+            self.num_shared_pages += 1
 
     cdef void hold(self, int32_t page) noexcept nogil:
         """Take a reference to any page, cached or not, taking it off the free
@@ -179,6 +192,8 @@ cdef class PageAllocator:
             if self._entry[page]:
                 self.num_evictable -= 1
         self._refcount[page] += 1
+        if self._refcount[page] == 2:
+            self.num_shared_pages += 1
 
     cdef bint cache_page(self, int32_t page, uint64_t page_hash, int64_t parent_entry,
                          const int32_t* tokens) noexcept nogil:

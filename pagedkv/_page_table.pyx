@@ -417,6 +417,24 @@ cdef class Pool:
         needs of it starts at page ``window_from``."""
         return window_from if self.gives_back else 0
 
+    cdef int check_first_held(self, int64_t length, int64_t window_from) except -1:
+        """ValueError unless a sequence of ``length`` tokens placed with its pages
+        before ``window_from`` given back still holds what its next query (at
+        position ``length``) sees.  That keeps the page of its last token
+        whenever that page is partly full: an append writes there, and a list
+        without it would hand out page -1."""
+        if not self.gives_back:
+            return 0
+        cdef int64_t sees_from = max(<int64_t>0, length - self.window + 1)
+        cdef int64_t last = sees_from // self.page_size
+        if window_from > last:
+            raise ValueError(
+                f"window_from: a sequence of {length} tokens keeps{self.where} the K/V a "
+                f"query at position {length} sees (window {self.window}), from position "
+                f"{sees_from}, on page {last} of pages of {self.page_size} tokens; expected "
+                f"window_from <= {last}, got {window_from}")
+        return 0
+
     cdef str free_text(self, int64_t busy=0, bint hint=True):
         """How an error says what is free here (``busy`` of the free pages taken already)."""
         return (f"{self.allocator.num_free_pages - busy} of {self.allocator.num_pages} free"
@@ -1372,6 +1390,8 @@ cdef class PageTables:
         if not 0 <= window_from <= num_pages:
             raise ValueError(f"window_from: expected 0 <= window_from <= {num_pages} pages, "
                              f"got {window_from}")
+        for pool in self.pools:
+            pool.check_first_held(length, window_from)
         for pool in self.pools:
             needed = num_pages - pool.first_held(window_from)
             if needed > pool.allocator.num_free_pages:

@@ -152,6 +152,8 @@ def find_groups(tables, page_size, band, policy, bytes_per_key):
         the group's representative); every query of every member sees the
         key positions ``lo:hi``, which lie in pages all members hold.
     """
+    if not tables.may_share:
+        return []       # no page had two holders: the common case, at no cost
     query_start = tables.query_start.astype(np.int64)
     seq_lens = tables.seq_lens.astype(np.int64)
     indptr = tables.page_indptr.astype(np.int64)
@@ -234,12 +236,14 @@ def _sharing_of(groups):
                    sum((hi - lo) * (len(m) - 1) for m, lo, hi in groups))
 
 
-def plan_cascade(tables, page_size, band, policy, bytes_per_key, prepare_step):
+def plan_cascade(tables, page_size, band, policy, bytes_per_key, prepare_step, groups=None):
     """The cascade plan of a step, or None when no group pays.
 
     ``prepare_step(tables)``: the backend's, for the shared call's tables.
+    ``groups``: :func:`find_groups` of the same arguments, when known already.
     """
-    groups = find_groups(tables, page_size, band, policy, bytes_per_key)
+    if groups is None:
+        groups = find_groups(tables, page_size, band, policy, bytes_per_key)
     if not groups:
         return None
     query_start = tables.query_start.astype(np.int64)
@@ -332,13 +336,24 @@ class CascadeAttention:
         """The :class:`CascadePolicy` in force, or None (``cascade="off"``)."""
         return self.backend.cascade_policy if self.enabled else None
 
+    def groups(self, tables, band):
+        """:func:`find_groups` of a step's ``tables`` for ``band`` under the policy
+        in force, searched once per step and band (attention's plan and
+        ``StepBatch.sharing`` both read it)."""
+        policy = self.policy
+        if policy is None:
+            return []
+        return tables.plan(
+            lambda t, _, b: find_groups(t, self.backend.page_size, b, policy, self.key_bytes),
+            None, band, kind="cascade groups")
+
     def sharing(self, tables):
         """The :class:`Sharing` of a step's ``tables`` (causal attention)."""
-        return sharing(tables, self.backend.page_size, None, self.policy, self.key_bytes)
+        return _sharing_of(self.groups(tables, None))
 
     def _plan(self, tables, num_heads, band):
         return plan_cascade(tables, self.backend.page_size, band, self.policy, self.key_bytes,
-                            self.backend.prepare_step)
+                            self.backend.prepare_step, self.groups(tables, band))
 
     def plan(self, tables, q, spec):
         """The step's :class:`CascadePlan` for ``q`` and ``spec`` (made once per

@@ -91,8 +91,12 @@ class StepBatch(_ReadOnlyTables):
         self._generation = generation
         self._stored_layers = set()
         p = private
+        # a page of the step with two holders would have to be on the allocator's
+        # count now: nothing makes two sequences of the step share one later
+        # (a fork, import or prefix hit makes a new sequence, outside the step)
         self._tables = StepTables(p["query_start"], p["seq_lens"], p["slot_mapping"],
-                                  p["page_indptr"], p["page_indices"])
+                                  p["page_indptr"], p["page_indices"],
+                                  may_share=cache._allocator.num_shared_pages > 0)
         self.window_tables = None
         self._window_tables = None
         if tables.window is not None:
@@ -100,9 +104,10 @@ class StepBatch(_ReadOnlyTables):
             for name in ("slot_mapping", "page_indices", "block_table"):
                 window[name] = _frozen(getattr(tables.window, name))
             self.window_tables = WindowTables(window)
-            self._window_tables = StepTables(p["query_start"], p["seq_lens"],
-                                             window["slot_mapping"], p["page_indptr"],
-                                             window["page_indices"])
+            self._window_tables = StepTables(
+                p["query_start"], p["seq_lens"], window["slot_mapping"], p["page_indptr"],
+                window["page_indices"],
+                may_share=cache._window_allocator.num_shared_pages > 0)
 
     seq_ids = property(lambda self: self._view("seq_ids"))
     query_start = property(lambda self: self._view("query_start"))

@@ -35,6 +35,23 @@ def test_refcounts_and_free():
     assert a.num_free == 4
 
 
+def test_shared_pages_are_counted():
+    a = PageAllocator(4)
+    p = a.allocate(3)
+    assert a.num_shared_pages == 0
+    a.incref([p[0], p[0], p[1]])                  # p[0]: 3 holders, p[1]: 2, p[2]: 1
+    assert a.num_shared_pages == 2
+    a.decref([p[0]])
+    assert a.num_shared_pages == 2
+    a.decref([p[0], p[1]])                        # each down to one holder
+    assert a.num_shared_pages == 0
+    with pytest.raises(ValueError, match="double free"):
+        a.decref([p[2], p[2]])
+    assert a.num_shared_pages == 0 and list(a.refcount(p)) == [1, 1, 1]
+    a.decref(p)
+    assert a.num_shared_pages == 0 and a.num_free == 4
+
+
 def test_double_free_and_bad_ids_change_nothing():
     a = PageAllocator(4)
     p = a.allocate(2)

@@ -210,3 +210,60 @@ def test_prefill_after_a_fork_reads_once_per_sequence(backend):
 def test_bad_cascade_value(bad):
     with pytest.raises(ValueError, match="cascade"):
         pagedkv.PagedKVCache(1, 1, 8, num_pages=4, backend="host", cascade=bad)
+
+
+def test_nothing_shared_skips_the_search_and_a_later_fork_is_found(backend, monkeypatch):
+    """With no page held twice in a pool, the step's tables say so and the search is
+    skipped (results still equal "off" and the reference); a fork made afterwards
+    is found, and freeing it brings the fast path back.  Each pool's step searches
+    once, whatever the layers and ``StepBatch.sharing`` ask."""
+    calls = []
+    find_groups = pagedkv.cascade.find_groups
+
+    def counting(tables, *args):
+        calls.append(tables.may_share)
+        return find_groups(tables, *args)
+
+    monkeypatch.setattr(pagedkv.cascade, "find_groups", counting)
+    t = Twin(backend, num_layers=2, layer_windows=[None, 400])
+    seqs = [t.add() for _ in range(3)]
+    for s, n in zip(seqs, (600, 350, 17)):
+        t.step([s], n, check=False)
+
+    def pools(batch):
+        return [t.cache._layer_pool[layer].step_tables(batch) for layer in range(2)]
+
+    batch = t.step(seqs, 1)
+    assert [tables.may_share for tables in pools(batch)] == [False, False]
+    assert t.used[-1] == (False, False) and batch.sharing == pagedkv.cascade.Sharing()
+    kid = t.fork(seqs[0])
+    t.step([kid], 5, check=False)           # its own suffix, after copy-on-write
+    calls.clear()
+    batch = t.step(seqs + [kid], 1)
+    assert [tables.may_share for tables in pools(batch)] == [True, True]
+    assert t.used[-1] == (True, True) and batch.sharing.num_groups == 1
+    assert batch.sharing.num_sequences == 2
+    assert calls == [True, True]             # one search per pool, none for sharing
+    batch = t.step(seqs[1:] + [kid], 1)      # the fork's parent sits this step out
+    assert t.used[-1] == (False, False) and batch.sharing == pagedkv.cascade.Sharing()
+    t.h.free(kid)
+    t.off.free(kid)
+    batch = t.step(seqs, 1)
+    assert [tables.may_share for tables in pools(batch)] == [False, False]
+    assert t.used[-1] == (False, False) and batch.sharing == pagedkv.cascade.Sharing()
+
+
+def test_a_prefix_hit_is_sharing(backend):
+    """Pages a prefix-cache hit takes have two holders: the step is searched."""
+    t = Twin(backend, enable_prefix_caching=True)
+    prompt = list(range(500, 500 + 300))
+    first = t.add(prompt)
+    t.step([first], len(prompt), check=False, token_ids=prompt)
+    second = t.add(prompt)
+    done = t.cache.seq_len(second)
+    t.h.ref.k[second] = [k[:done] for k in t.h.ref.k[first]]
+    t.h.ref.v[second] = [v[:done] for v in t.h.ref.v[first]]
+    t.step([second], len(prompt) - done, token_ids=prompt[done:], check=False)
+    batch = t.step([first, second], 1)
+    assert batch._tables.may_share and t.used[-1]
+    assert batch.sharing.num_groups == 1 and batch.sharing.shared_tokens == done

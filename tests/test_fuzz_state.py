@@ -269,6 +269,10 @@ class CacheMachine(RuleBasedStateMachine):
         assert self.cache.seq_ids() == self.live()
         for s in self.live():
             assert self.cache.seq_len(s) == len(self.tokens[s])
+        # pages several sequences hold, as the allocator counts them for cascade's fast path
+        held = np.concatenate([self.cache.page_ids(s) for s in self.live()] + [[]])
+        _, holders = np.unique(held, return_counts=True)
+        assert self.cache._allocator.num_shared_pages == int((holders > 1).sum())
 
     def teardown(self):
         if not hasattr(self, "cache"):

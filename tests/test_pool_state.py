@@ -7,7 +7,8 @@ deterministic function of the sequence that wrote it and the position.
 After every call: no sequence lacks a window page that a query may still
 see (given back pages are a leading run, before what the next query sees),
 every page id is in its pool, the free and used counts of both pools add up
-and match the pages the sequences hold, every held position reads back
+and match the pages the sequences hold (and so do the pages with several
+holders), every held position reads back
 what the model says, and a failed call changed nothing.
 """
 import numpy as np
@@ -57,7 +58,7 @@ class Walk:
     def check(self):
         c = self.cache
         assert c.seq_ids() == sorted(self.model)
-        full_refs, window_held = {}, set()
+        full_refs, window_refs = {}, {}
         for s, layers in self.model.items():
             length = len(layers[0][0])
             assert c.seq_len(s) == length
@@ -72,7 +73,8 @@ class Walk:
             assert held_from <= max(0, length - self.window + 1) or held_from == length == 0
             for p in pages.tolist():
                 full_refs[p] = full_refs.get(p, 0) + 1
-            window_held.update(window_pages[window_pages >= 0].tolist())
+            for p in window_pages[window_pages >= 0].tolist():
+                window_refs[p] = window_refs.get(p, 0) + 1
             for layer, w in enumerate(self.windows):
                 start = 0 if w is None else held_from
                 k, v = c.gather(layer, s, start)
@@ -83,9 +85,12 @@ class Walk:
         assert stats["num_free_window_pages"] + stats["num_used_window_pages"] == \
             c.num_window_pages
         assert stats["num_used_pages"] == len(full_refs)
-        assert stats["num_used_window_pages"] == len(window_held)
+        assert stats["num_used_window_pages"] == len(window_refs)
         for p, n in full_refs.items():
             assert c.refcount(p) == n
+        # the allocators' count of pages with several holders (cascade's fast path)
+        assert c._allocator.num_shared_pages == sum(n > 1 for n in full_refs.values())
+        assert c._window_allocator.num_shared_pages == sum(n > 1 for n in window_refs.values())
 
     def expect_unchanged(self, call, *errors):
         before = self.snapshot()

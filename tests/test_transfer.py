@@ -382,3 +382,68 @@ def test_swap_in_out_of_pages_changes_nothing(backend):
     assert cache.is_swapped(s)
     cache.free(hog)
     cache.swap_in(s)
+
+
+# -- where window pages start (PageTables.adopt / swap_in, transfer.import_sequence) ----
+
+def decode_matches_the_source(target, t, source, s, windows, rng, steps=3):
+    """Decode ``steps`` tokens on ``t`` and check every layer's attention against the
+    dense reference over ``source``'s K/V of ``s`` (full attention there) and the new ones."""
+    start = source.seq_len(s)
+    for _ in range(steps):
+        batch = target.append([t], 1)
+        q = rng.standard_normal((1, HQ, D)).astype(np.float32)
+        for layer in range(L):
+            k = rng.standard_normal((1, H, D)).astype(np.float32)
+            target.store(layer, batch, k, -k)
+            new_k, new_v = target.gather(layer, t, start)
+            k_all = np.concatenate([source.gather(layer, s)[0], new_k])
+            v_all = np.concatenate([source.gather(layer, s)[1], new_v])
+            expected = dense_attention(q, k_all, v_all, [target.seq_len(t) - 1],
+                                       sliding_window=windows[layer])
+            np.testing.assert_allclose(target.attention(layer, batch, q), expected,
+                                       **TOLERANCE["float32"])
+
+
+@pytest.mark.parametrize("windows,length,edge", [
+    ([None, 3, 2], 10, 2),     # the next query sees from position 8: page 2 of 3, partly full
+    ([None, 1, 1], 9, 2),      # it sees only itself; page 2 of 3 holds the last token
+    ([None, 1, 1], 8, 2),      # the same, the last page full: every window page can go
+])
+def test_window_pages_start_no_later_than_the_next_query_sees(backend, windows, length, edge):
+    """A sequence placed with its window pages before ``window_from`` given back must
+    still hold the page of what its next query sees (the last token's page when it
+    is partly full): later ones are refused with nothing changed; the latest
+    allowed one decodes on like the source."""
+    rng = np.random.default_rng(14)
+    source = make(backend, num_pages=16)
+    s = source.add_sequence()
+    step(source, [s], [length], rng)
+    kv = source.export_sequence(s)
+    cache = make(backend, num_pages=16, layer_windows=windows, num_window_pages=16)
+    num_pages = -(-length // 4)
+    swapped = cache.add_sequence()
+    step(cache, [swapped], [length], rng)
+    cache.swap_out(swapped)
+
+    def state():
+        return (cache.num_free_pages, cache.num_free_window_pages, cache.seq_ids(),
+                cache.stats(), cache._tables.next_id, cache.is_swapped(swapped))
+
+    before = state()
+    for window_from in range(edge + 1, num_pages + 1):
+        with pytest.raises(ValueError, match=f"window_from: .* expected window_from <= {edge}, "
+                                             f"got {window_from}"):
+            pagedkv.transfer.import_sequence(cache, kv, window_from * 4)
+        with pytest.raises(ValueError, match="window_from"):
+            cache._tables.swap_in(swapped, window_from)
+        assert state() == before
+    t = pagedkv.transfer.import_sequence(cache, kv, edge * 4)
+    assert cache.window_page_count(t) == num_pages - edge
+    for layer in range(L):
+        start = 0 if windows[layer] is None else edge * 4
+        for x, y in zip(source.gather(layer, s, start), cache.gather(layer, t, start)):
+            np.testing.assert_array_equal(bits(x), bits(y))
+    decode_matches_the_source(cache, t, source, s, windows, rng)
+    cache.swap_in(swapped)          # the public paths place from a page that works
+    assert not cache.is_swapped(swapped)

@@ -39,6 +39,10 @@ class StepTables:
     key_cut : pagedkv.backends.schedule.KeyCut or None
         Keys each sequence's rows read only (or skip), besides their band:
         set on the tables that shared-prefix attention makes (``pagedkv.cascade``).
+    may_share : bool
+        False when no page of the pool had two holders as the step was made
+        (no fork, no prefix-cache hit): no two sequences of the step share a
+        page, and the shared-prefix planner skips its search.  True: unknown.
     """
     query_start: np.ndarray
     seq_lens: np.ndarray
@@ -47,6 +51,7 @@ class StepTables:
     page_indices: np.ndarray
     device: Any = None
     key_cut: Any = None
+    may_share: bool = True
     _plans: dict = field(default_factory=dict, repr=False)
 
     @property
