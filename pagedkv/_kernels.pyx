@@ -296,13 +296,15 @@ def gather(storage_t[:, :, :, ::1] pool, const float[:, :, ::1] scales,
 # -- paged attention ----------------------------------------------------------------
 #
 # A work item (its columns: pkv_work_item.h) is one (sequence, run of KV
-# heads, block of query rows, key range).  Page by page and head by head it
-# reads each K/V slice once, straight from the pool, for all query rows and
-# all query heads of the KV group (GQA), keeps a running max and sum per query
-# (online softmax) over the keys of each row's band, and leaves an
-# unnormalised partial result.  While it computes on one slice (a page of one
-# head) it prefetches the K/V slices about 32 KiB later in its own reading
-# order (see pkv_simd.h), so that reading memory and computing overlap.  Long key ranges are split over several items
+# heads, block of query rows, key range).  It goes by spans of consecutive
+# pages (SPAN_KEYS keys; one page when pages are larger): the K slices of the
+# span page by page and head by head, one online-softmax step per head (a
+# running max and sum per query over the keys of each row's band), then the V
+# slices in the same order.  Each K/V slice is read once, straight from the
+# pool, for all query rows and all query heads of the KV group (GQA), and the
+# item leaves an unnormalised partial result.  While it computes on one slice
+# (a page of one head) it prefetches the slice about 32 KiB later in its own
+# reading order (see pkv_simd.h), so that reading memory and computing overlap.  Long key ranges are split over several items
 # so that one long sequence still fills every core (split-K, as in
 # FlashDecoding / vLLM v2); `merge_partials` combines the items of a query
 # block by log-sum-exp, adds the sinks and normalises.
@@ -318,6 +320,8 @@ def aligned_empty(Py_ssize_t n):
 # Bytes of each pool the page path prefetches ahead of what it reads.
 cdef enum:
     PREFETCH_AHEAD_BYTES = 32768
+    # Keys of consecutive pages whose logits take one softmax step in the page path.
+    SPAN_KEYS = 128
 
 #: Queries per KV head from which a work item takes the block path (pkv_block.h).
 BLOCK_MIN_QUERIES = PKV_BLOCK_MIN_QUERIES
@@ -377,25 +381,27 @@ cdef void attend_item(const float[:, :, ::1] q,
     # a lone query (decode without GQA) in tiles of one, not padded to four
     cdef int tile = 1 if nq == 1 else 4
     cdef int tiled = 1 if nq == 1 else nq4
-    cdef int qi, x, hh, d, j, t0, t1, nt, page, next_page
+    cdef int qi, x, hh, d, j, j0, t0, t1, nt, page
     cdef storage_t* dummy = NULL
-    cdef int64_t first_key
     cdef int last_page = (key1 + ps - 1) // ps
     cdef float* queries = scratch                            # [heads, nq4, D], pre-scaled
-    cdef float* scores = queries + heads_per_item * nq4 * D  # [nq4, ps]
-    cdef float* alphas = scores + nq4 * ps                   # [nq4]
+    # A span of pages shares one softmax step: with small pages the per-page
+    # softmax, rescale and accumulator pass, not the multiply-adds, bound decode.
+    cdef int span = max(1, SPAN_KEYS // ps)
+    cdef int ld = span * ps, span_pages, column
+    cdef int64_t span_key0
+    cdef float* scores = queries + heads_per_item * nq4 * D  # [heads, nq4, ld]
+    cdef float* alphas = scores + heads_per_item * nq4 * ld  # [heads, nq4]
+    cdef float* ones = alphas + heads_per_item * nq4         # [nq4]
     cdef long slice_bytes = ps * D * sizeof(storage_t)
     # Prefetch distance, in slices (one head of one page of one pool): a
     # fixed number of bytes, not a page of every head, which at page 128
     # (1 MiB of K and V for 8 heads) was evicted before it was read
     # (docs/performance.md, "Against vLLM CPU").
     cdef int ahead = <int>((PREFETCH_AHEAD_BYTES + slice_bytes - 1) // slice_bytes)
-    cdef int ahead_page, ahead_head
-    cdef pkv_prefetch next_keys, next_values
+    cdef pkv_prefetch next_slice
     cdef const float* qv
-    cdef float* head_acc
-    cdef float* head_max
-    cdef float* head_sum
+    cdef float* head_scores
 
     if nq >= PKV_BLOCK_MIN_QUERIES:
         attend_item_blocks(q, k_pool, v_pool, k_scales, v_scales, page_indptr, page_indices,
@@ -415,46 +421,85 @@ cdef void attend_item(const float[:, :, ::1] q,
                 queries[x * D + d] = qv[d] * scale
             rotate_query(queries + x * D, D, rotation_block, rotation_scale, dummy)
 
-    for j in range(key0 // ps, last_page):
-        page = page_indices[page_indptr[b] + j]
-        t0 = max(key0, j * ps) - j * ps
-        t1 = min(key1, (j + 1) * ps) - j * ps
-        nt = t1 - t0
-        first_key = <int64_t>j * ps + t0
+    for x in range(nq4):
+        ones[x] = 1.0
+    j0 = key0 // ps
+    while j0 < last_page:
+        span_pages = min(span, last_page - j0)
+        span_key0 = max(key0, j0 * ps)
+        nt = min(key1, (j0 + span_pages) * ps) - span_key0
+        # logits of the span's keys, page by page and head by head (the pool's
+        # order), into one row per query and head
+        for j in range(j0, j0 + span_pages):
+            page = page_indices[page_indptr[b] + j]
+            t0 = max(key0, j * ps) - j * ps
+            t1 = min(key1, (j + 1) * ps) - j * ps
+            column = j * ps + t0 - span_key0
+            for hh in range(heads_per_item):
+                head_scores = scores + hh * nq4 * ld
+                next_slice = slice_ahead(k_pool, v_pool, page_indices, page_indptr[b], h0, j0,
+                                         span, last_page, heads_per_item, 0, j, hh, ahead)
+                page_scores(queries + hh * nq4 * D, tiled, &k_pool[page, h0 + hh, t0, 0],
+                            t1 - t0, D, head_scores + column, ld, &next_slice, tile)
+                times_row_scales(head_scores + column, ld, nq, t1 - t0, k_scales, page,
+                                 h0 + hh, t0, dummy)
+                pkv_prefetch_rest(&next_slice)   # what a short page left
+        # online softmax, one step a span: logits become weights, zero outside
+        # each row's band, and alphas rescale the accumulators
         for hh in range(heads_per_item):
-            head_acc = acc + hh * nq4 * D
-            head_max = run_max + hh * nq4
-            head_sum = run_sum + hh * nq4
-            # the slice `ahead` slices later in the item's reading order
-            # (page-major, head-minor): about 32 KiB of each pool ahead
-            ahead_page = j + (hh + ahead) // heads_per_item
-            ahead_head = (hh + ahead) % heads_per_item
-            if ahead_page < last_page:
-                next_page = page_indices[page_indptr[b] + ahead_page]
-                next_keys = pkv_prefetch_range(&k_pool[next_page, h0 + ahead_head, 0, 0],
-                                               slice_bytes)
-                next_values = pkv_prefetch_range(&v_pool[next_page, h0 + ahead_head, 0, 0],
-                                                 slice_bytes)
-            else:
-                next_keys = pkv_prefetch_range(NULL, 0)
-                next_values = pkv_prefetch_range(NULL, 0)
-            page_scores(queries + hh * nq4 * D, tiled, &k_pool[page, h0 + hh, t0, 0], nt, D,
-                        scores, ps, &next_keys, tile)
-            times_row_scales(scores, ps, nq, nt, k_scales, page, h0 + hh, t0, dummy)
-            # online softmax: logits become weights, zero outside each row's
-            # band, and alphas rescale the accumulators
-            pkv_softmax_page(scores, ps, nq, nq4, nt, band, first_key, group, soft_cap,
+            pkv_softmax_page(scores + hh * nq4 * ld, ld, nq, nq4, nt, band, span_key0, group,
+                             soft_cap,
                              bias_slopes + (h0 + hh) * group if bias_slopes != NULL else NULL,
-                             head_max, head_sum, alphas)
-            times_row_scales(scores, ps, nq, nt, v_scales, page, h0 + hh, t0, dummy)
-            for x in range(tiled // tile):
-                qi = x * tile
-                page_accumulate_band(head_acc, alphas, scores, ps, &v_pool[page, h0 + hh, t0, 0],
-                                     nt, D, &next_values, qi, tile, nq, group, band,
-                                     first_key)
-            # a short page leaves part of the next one unprefetched
-            pkv_prefetch_rest(&next_keys)
-            pkv_prefetch_rest(&next_values)
+                             run_max + hh * nq4, run_sum + hh * nq4, alphas + hh * nq4)
+        # the weighted sum of the values, in the same order
+        for j in range(j0, j0 + span_pages):
+            page = page_indices[page_indptr[b] + j]
+            t0 = max(key0, j * ps) - j * ps
+            t1 = min(key1, (j + 1) * ps) - j * ps
+            column = j * ps + t0 - span_key0
+            for hh in range(heads_per_item):
+                head_scores = scores + hh * nq4 * ld
+                times_row_scales(head_scores + column, ld, nq, t1 - t0, v_scales, page,
+                                 h0 + hh, t0, dummy)
+                next_slice = slice_ahead(k_pool, v_pool, page_indices, page_indptr[b], h0, j0,
+                                         span, last_page, heads_per_item, 1, j, hh, ahead)
+                for x in range(tiled // tile):
+                    page_accumulate_band(acc + hh * nq4 * D,
+                                         alphas + hh * nq4 if j == j0 else ones,
+                                         head_scores + column, ld,
+                                         &v_pool[page, h0 + hh, t0, 0], t1 - t0, D,
+                                         &next_slice, x * tile, tile, nq, group, band,
+                                         <int64_t>j * ps + t0)
+                pkv_prefetch_rest(&next_slice)
+        j0 += span
+
+
+cdef inline pkv_prefetch slice_ahead(storage_t[:, :, :, ::1] k_pool,
+                                     storage_t[:, :, :, ::1] v_pool,
+                                     const int32_t[::1] page_indices, int first_index, int h0,
+                                     int j0, int span, int last_page, int heads, int pool,
+                                     int j, int hh, int ahead) noexcept nogil:
+    """The slice (one head of one page of K or V) ``ahead`` slices after head ``hh``
+    of page ``j`` of pool ``pool`` (0: K, 1: V) in the page path's reading order:
+    span by span (``span`` pages from ``j0``; the item's last span may be
+    shorter), in each the K slices, then the V slices, page by page and head by
+    head; empty past the item's last page."""
+    cdef int span_pages = min(span, last_page - j0)
+    cdef int slices = span_pages * heads
+    cdef int index = pool * slices + (j - j0) * heads + hh + ahead
+    if index >= 2 * slices:     # in the next span
+        index -= 2 * slices
+        j0 += span
+        span_pages = min(span, last_page - j0)
+        slices = span_pages * heads
+        if span_pages <= 0 or index >= 2 * slices:
+            return pkv_prefetch_range(NULL, 0)
+    cdef int page = page_indices[first_index + j0 + index % slices // heads]
+    cdef int h = h0 + index % slices % heads
+    cdef long nbytes = k_pool.shape[2] * k_pool.shape[3] * sizeof(storage_t)
+    if index < slices:
+        return pkv_prefetch_range(&k_pool[page, h, 0, 0], nbytes)
+    return pkv_prefetch_range(&v_pool[page, h, 0, 0], nbytes)
 
 
 cdef inline int storage_kind(storage_t* dummy) noexcept nogil:
@@ -473,7 +518,8 @@ cdef inline Py_ssize_t scratch_floats(int nq_max, int heads_per_item, int D,
     """Floats of one thread's scratch for items of up to ``nq_max`` queries per head."""
     cdef int nq4 = padded_queries(nq_max)
     cdef int nqp = pkv_block_queries(nq_max), ld = pkv_block_stride(nqp)
-    cdef Py_ssize_t pages = heads_per_item * nq4 * D + nq4 * (ps + 1)
+    cdef Py_ssize_t pages = (heads_per_item * nq4 * (D + max(SPAN_KEYS // ps, 1) * ps + 1)
+                             + nq4)
     # qt, acc, s (ld floats a row), the softmax's five arrays, lo/hi and the
     # bias's slope/dist (nqp each), the block's K and V rows, and a query row
     cdef Py_ssize_t blocks = ((2 * D + PKV_BLOCK_KEYS) * ld + 9 * nqp

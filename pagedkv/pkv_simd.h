@@ -451,7 +451,8 @@ static inline void pkv_logits(float *restrict s, int n, float cap) {
 }
 
 
-/* One page of online softmax for queries 0 : nq_padded (see attend_item).
+/* One step of online softmax for queries 0 : nq_padded over the keys of a
+ * page, or of a span of consecutive pages (see attend_item).
  *
  * s[qi * ld + t], t < nt: the logits of the keys at positions first_key + t
  * in, the weights out.  Query qi < nq (row qi / group of the item whose band
@@ -468,7 +469,7 @@ static inline void pkv_softmax_page(float *restrict s, int ld, int nq, int nq_pa
                                     float soft_cap, const float *restrict slopes,
                                     float *restrict run_max, float *restrict run_sum,
                                     float *restrict alpha) {
-    /* A full page's rows are contiguous: capping all of them in one loop
+    /* When the keys fill the rows (nt == ld), capping all rows in one loop
      * costs less than a short loop per query's band (keys outside the band
      * are zeroed below either way). */
     const int cap_rows = soft_cap > 0.0f && nt == ld;

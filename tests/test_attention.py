@@ -102,6 +102,23 @@ def test_long_context_5000_tokens(backend):
     assert h.cache.seq_len(s) == 5003
 
 
+@pytest.mark.parametrize("page_size", [3, 16])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_decode_over_spans_of_small_pages(backend, page_size, dtype):
+    # The host page path takes one softmax step per span of consecutive pages
+    # (128 keys): split-K ranges (over 2,048 keys), window starts and partial
+    # last pages cut spans anywhere, and a query's max may move within one.
+    cache = pagedkv.PagedKVCache(1, 2, 64, num_pages=2600 // page_size * 3 + 12,
+                                 page_size=page_size, dtype=dtype, backend=backend)
+    h = Harness(cache, num_heads=8, dtype=dtype)
+    seqs = [h.add() for _ in range(3)]
+    h.step(seqs, [2500, 131, 7 * page_size + 1], check=False)
+    for variant in ({}, {"sliding_window": 200}, {"sliding_window": 61},
+                    {"logits_soft_cap": 5.0}):
+        h.step(seqs, 1, **variant)
+    h.step(seqs, [2, 1, 3], sliding_window=61)
+
+
 @pytest.mark.parametrize("head_dim,page_size", [(64, 16), (40, 7)])
 def test_float16_storage_rounds(backend, head_dim, page_size):
     h = make(backend, dtype="float16", group=4, head_dim=head_dim, page_size=page_size)
