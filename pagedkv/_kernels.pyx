@@ -432,9 +432,7 @@ cdef void attend_item(const float[:, :, ::1] q,
         # order), into one row per query and head
         for j in range(j0, j0 + span_pages):
             page = page_indices[page_indptr[b] + j]
-            t0 = max(key0, j * ps) - j * ps
-            t1 = min(key1, (j + 1) * ps) - j * ps
-            column = j * ps + t0 - span_key0
+            page_keys(j, ps, key0, key1, span_key0, &t0, &t1, &column)
             for hh in range(heads_per_item):
                 head_scores = scores + hh * nq4 * ld
                 next_slice = slice_ahead(k_pool, v_pool, page_indices, page_indptr[b], h0, j0,
@@ -454,9 +452,7 @@ cdef void attend_item(const float[:, :, ::1] q,
         # the weighted sum of the values, in the same order
         for j in range(j0, j0 + span_pages):
             page = page_indices[page_indptr[b] + j]
-            t0 = max(key0, j * ps) - j * ps
-            t1 = min(key1, (j + 1) * ps) - j * ps
-            column = j * ps + t0 - span_key0
+            page_keys(j, ps, key0, key1, span_key0, &t0, &t1, &column)
             for hh in range(heads_per_item):
                 head_scores = scores + hh * nq4 * ld
                 times_row_scales(head_scores + column, ld, nq, t1 - t0, v_scales, page,
@@ -472,6 +468,16 @@ cdef void attend_item(const float[:, :, ::1] q,
                                          <int64_t>j * ps + t0)
                 pkv_prefetch_rest(&next_slice)
         j0 += span
+
+
+cdef inline void page_keys(int j, int ps, int key0, int key1, int64_t span_key0, int* t0,
+                           int* t1, int* column) noexcept nogil:
+    """The keys ``t0 : t1`` of page ``j`` in the item's range ``key0 : key1``, and the
+    column of key ``t0`` in the rows of logits of a span that starts at key
+    position ``span_key0``."""
+    t0[0] = max(key0, j * ps) - j * ps
+    t1[0] = min(key1, (j + 1) * ps) - j * ps
+    column[0] = <int>(j * ps + t0[0] - span_key0)
 
 
 cdef inline pkv_prefetch slice_ahead(storage_t[:, :, :, ::1] k_pool,
