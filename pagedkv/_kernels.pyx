@@ -304,10 +304,11 @@ def gather(storage_t[:, :, :, ::1] pool, const float[:, :, ::1] scales,
 # pool, for all query rows and all query heads of the KV group (GQA), and the
 # item leaves an unnormalised partial result.  While it computes on one slice
 # (a page of one head) it prefetches the slice about 32 KiB later in its own
-# reading order (see pkv_simd.h), so that reading memory and computing overlap.  Long key ranges are split over several items
-# so that one long sequence still fills every core (split-K, as in
-# FlashDecoding / vLLM v2); `merge_partials` combines the items of a query
-# block by log-sum-exp, adds the sinks and normalises.
+# reading order (see pkv_simd.h), so that reading memory and computing
+# overlap.  Long key ranges are split over several items so that one long
+# sequence still fills every core (split-K, as in FlashDecoding / vLLM v2);
+# `merge_partials` combines the items of a query block by log-sum-exp, adds
+# the sinks and normalises.
 
 
 def aligned_empty(Py_ssize_t n):

@@ -224,26 +224,18 @@ def find_groups(tables, page_size, band, policy, bytes_per_key):
             for g in np.flatnonzero(keep)]
 
 
-def sharing(tables, page_size, band, policy, bytes_per_key):
-    """The :class:`Sharing` of a step under ``policy`` (None: nothing is read once)."""
-    return Sharing() if policy is None else \
-        _sharing_of(find_groups(tables, page_size, band, policy, bytes_per_key))
-
-
 def _sharing_of(groups):
     return Sharing(len(groups), sum(len(m) for m, _, _ in groups),
                    sum(hi - lo for _, lo, hi in groups),
                    sum((hi - lo) * (len(m) - 1) for m, lo, hi in groups))
 
 
-def plan_cascade(tables, page_size, band, policy, bytes_per_key, prepare_step, groups=None):
+def plan_cascade(tables, groups, page_size, prepare_step):
     """The cascade plan of a step, or None when no group pays.
 
-    ``prepare_step(tables)``: the backend's, for the shared call's tables.
-    ``groups``: :func:`find_groups` of the same arguments, when known already.
+    ``groups``: :func:`find_groups` of the step; ``prepare_step(tables)``: the
+    backend's, for the shared call's tables.
     """
-    if groups is None:
-        groups = find_groups(tables, page_size, band, policy, bytes_per_key)
     if not groups:
         return None
     query_start = tables.query_start.astype(np.int64)
@@ -352,8 +344,8 @@ class CascadeAttention:
         return _sharing_of(self.groups(tables, None))
 
     def _plan(self, tables, num_heads, band):
-        return plan_cascade(tables, self.backend.page_size, band, self.policy, self.key_bytes,
-                            self.backend.prepare_step, self.groups(tables, band))
+        return plan_cascade(tables, self.groups(tables, band), self.backend.page_size,
+                            self.backend.prepare_step)
 
     def plan(self, tables, q, spec):
         """The step's :class:`CascadePlan` for ``q`` and ``spec`` (made once per

@@ -404,7 +404,7 @@ class Engine:
         window_pages_in_use = getattr(self.cache, "num_window_pages", 0) \
             - getattr(self.cache, "num_free_window_pages", 0)
         num_running = len(self.scheduler.running)
-        # only steps with forked samples: reading `sharing` runs the cascade's group search
+        # the stat covers the steps that run forked samples (see EngineStats)
         if any(c.request.parent_id is not None for c in plan) and hasattr(batch, "sharing"):
             self.stats.shared_token_reads_saved += batch.sharing.saved_token_reads
         positions, logit_rows, sampling = [], [], []
