@@ -170,7 +170,7 @@ PKV_DEFINE_LOGIT(inline, pkv_logit_s, pkv_svec, pkv_tanh_s)
 PKV_DEFINE_SOFTMAX(inline, _s, pkv_svec, pkv_sivec, pkv_exp_s)
 
 __kernel __attribute__((reqd_work_group_size(PKV_WG, 1, 1)))
-void paged_attention(__global const float* q,              /* [T, num_heads, D] */
+void paged_attention(__global const float* q,              /* [T, num_heads, D], scaled */
                      __global pkv_storage* k_pool,         /* [pages, H, page_size, D] */
                      __global pkv_storage* v_pool,
                      __global const float* k_scales,       /* int8: [pages, H, page_size] */
@@ -187,7 +187,7 @@ void paged_attention(__global const float* q,              /* [T, num_heads, D] 
                      __global const int* seq_lens,         /* [B] */
                      const int num_new_tokens, const int scatter_rows, const long num_slots,
                      const int group, const int num_groups, const int sub_groups,
-                     const int page_size, const int num_pages, const int nnz, const float scale,
+                     const int page_size, const int num_pages, const int nnz,
                      const float soft_cap,                 /* c of c * tanh(x / c); 0: none */
                      __global const float* sinks,          /* [num_heads] */
                      const int has_sinks,
@@ -406,7 +406,7 @@ void paged_attention(__global const float* q,              /* [T, num_heads, D] 
                     for (int j = 0; j < PKV_QB; ++j) {
                         const int qi = qb * PKV_QB + j;
                         if (qi < nq && t < n_keys) {
-                            const float x = sums[i][j] * scale;
+                            const float x = sums[i][j];
                             const bool seen = key_src[t] != PKV_KEY_MASKED &&
                                 q_lo[j] <= c0 + t && c0 + t < q_hi[j];
                             scores[qi * PKV_CHUNK + t] = seen ? x : -INFINITY;

@@ -120,6 +120,14 @@ __kernel void copy_pages(__global pkv_bits* k_pool, __global pkv_bits* v_pool,
     v_pool[(ulong)d * page_elems + e] = v_pool[(ulong)s * page_elems + e];
 }
 
+/* dst[i] = scale * src[i]: the attention kernel's queries, which it takes
+ * scaled (pkv_variant.h); dst may be src. */
+__kernel void scale_floats(__global const float* src, __global float* dst, const long n,
+                           const float scale) {
+    const ulong i = get_global_id(0);
+    if (i < (ulong)n) dst[i] = src[i] * scale;
+}
+
 /* dst[i] = float(src[i]) for IEEE half input (a float16 pyopencl array). */
 __kernel void half_to_float(__global const half* src, __global float* dst, const long n) {
     const ulong i = get_global_id(0);

@@ -90,8 +90,9 @@ PKV_VARIANT_FN pkv_pos pkv_band_hi(pkv_band band, int row) {
 #define PKV_VARIANT_MATH_H
 
 /* -- logit ---------------------------------------------------------------------
- * x = scale * q.k (the kernels fold scale into the queries or the dot
- * product); cap > 0: cap * tanh(x / cap), inverse_cap = 1 / cap; cap 0: x. */
+ * x = scale * q.k, the kernels folding scale into the queries before the
+ * products: q.k may be past float32's range where scale * q.k is not.
+ * cap > 0: cap * tanh(x / cap), inverse_cap = 1 / cap; cap 0: x. */
 #define PKV_DEFINE_LOGIT(QUALIFIERS, name, T, TANH)                                    \
 QUALIFIERS T name(T x, float cap, float inverse_cap) {                                \
     return cap > 0.0f ? cap * TANH(x * inverse_cap) : x;                              \

@@ -155,6 +155,31 @@ def test_scale_and_input_dtypes(backend):
     np.testing.assert_allclose(out, expected, rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_scale_applies_before_the_dot_product(backend, dtype):
+    # q.k of these rows (every product positive, 32 of about 0.56e38) is past
+    # float32's maximum, scale * q.k is not: the scale must reach the queries
+    # before the sum, on every backend, prefill (block path) and decode.
+    cache = pagedkv.PagedKVCache(1, 2, 32, num_pages=16, page_size=4, dtype=dtype,
+                                 backend=backend)
+    s = cache.add_sequence()
+    rng = np.random.default_rng(2)
+    k, v = (rng.uniform(0.5, 1.0, (21, 2, 32)) for _ in "kv")
+    k *= 1e19
+    q = rng.uniform(0.5, 1.0, (21, 8, 32)) * 1e19
+    batch = cache.append([s], 20)
+    cache.store(0, batch, k[:20], v[:20])
+    prefill = cache.attention(0, batch, q[:20], scale=1e-38)
+    batch = cache.append([s], 1)
+    cache.store(0, batch, k[20:], v[20:])
+    decode = cache.attention(0, batch, q[20:], scale=1e-38)
+    kr, vr = (round_to_storage(x, dtype) for x in (k, v))
+    expected = dense_attention(q.astype(np.float32), kr, vr, np.arange(21), scale=1e-38)
+    out = np.concatenate([prefill, decode])
+    assert np.isfinite(out).all()
+    np.testing.assert_allclose(out, expected, rtol=1e-4, atol=1e-4)
+
+
 def test_empty_step_and_zero_new_tokens(backend):
     h = make(backend)
     a, b = h.add(), h.add()

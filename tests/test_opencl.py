@@ -596,7 +596,9 @@ class TestPyOpenCLArrays:
         q = self.rng.standard_normal((21, 8, 32), dtype=np.float32)
         self.cache.store(0, batch, self.device(k), self.device(v))
         out_np = self.cache.attention(0, batch, q)
-        out_cl = self.cache.attention(0, batch, self.device(q))
+        q_cl = self.device(q)
+        out_cl = self.cache.attention(0, batch, q_cl)
+        np.testing.assert_array_equal(q_cl.get(), q)    # scaled in a copy, not in place
         assert isinstance(out_np, np.ndarray) and out_np.dtype == np.float32
         assert isinstance(out_cl, cl_array.Array) and out_cl.dtype == np.float32
         assert out_cl.queue is self.backend.queue and out_cl.shape == q.shape

@@ -299,6 +299,7 @@ class OpenCLBackend(Backend):
         self._k_gather = pages[kernels.gather]
         self._k_copy = pages["copy_pages"]
         self._k_half = pages["half_to_float"]
+        self._k_scale = pages["scale_floats"]
         self._k_rotations = [pages[name] for name in kernels.rotations]
         # raw rows (read_rows / write_rows), by the bytes of the unit they move
         self._k_rows = {4: (pages["read_rows_u32"], pages["write_rows_u32"]),
@@ -366,12 +367,13 @@ class OpenCLBackend(Backend):
         return kernel(self.queue, (-(-num_work_items // wg) * wg,), (wg,), wait_for=wait_for,
                       **args)
 
-    def _device_f32(self, x, name):
-        """``x`` as C-contiguous float32 device memory of this context.
+    def _device_f32(self, x, name, scale=1.0):
+        """``scale * x`` as C-contiguous float32 device memory of this context.
 
-        numpy input is converted on the host and uploaded (a private Buffer);
-        a pyopencl array is used in place when it is float32, else converted
-        on the device (a new Array).
+        numpy input is converted (and scaled) on the host and uploaded (a
+        private Buffer); a pyopencl array is used in place when it is float32
+        and ``scale`` is 1, else converted and scaled on the device (a new
+        Array).
 
         Returns
         -------
@@ -380,6 +382,8 @@ class OpenCLBackend(Backend):
             What a kernel reading ``array`` must wait for.
         """
         if isinstance(x, np.ndarray):
+            if scale != 1.0:   # in float32, as the host kernel scales its float32 queries
+                x = np.multiply(x, np.float32(scale), dtype=np.float32)
             return self._upload(x, np.float32), []   # one host copy converts and packs
         if not self.is_native(x):
             raise ArgumentTypeError(f"{name}: expected a numpy or pyopencl array, "
@@ -403,20 +407,32 @@ class OpenCLBackend(Backend):
             # give a view (offset, sub-buffer) a buffer of its own
             x = x.copy(queue=self.queue)
         if x.dtype == np.float32:
-            return x, list(x.events)
+            if scale == 1.0:
+                return x, list(x.events)
+            out = self._empty(x.shape)
+            return out, self._scaled(x, out, scale, list(x.events))
         if x.dtype == np.float16:   # kv_pages.cl's half_to_float needs no cl_khr_fp16
             out = self._empty(x.shape)
             if x.size:
                 self._launch(self._k_half, x.size, wait_for=x.events, src=x, dst=out, n=x.size)
-            return out, []
+            return out, self._scaled(out, out, scale, [])
         if x.dtype == np.float64:
             if "cl_khr_fp64" not in self.device.extensions:
                 raise ArgumentTypeError(
                     f"{name}: a float64 pyopencl array needs a device with cl_khr_fp64, which "
                     f"{self.device.name.strip()} lacks; convert it to float32 first")
             # on the cache's queue, which already waits for the caller's
-            return x.with_queue(self.queue).astype(np.float32), []
+            out = x.with_queue(self.queue).astype(np.float32)
+            return out, self._scaled(out, out, scale, [])
         raise ArgumentTypeError(f"{name}: expected float16, float32 or float64, got {x.dtype}")
+
+    def _scaled(self, src, dst, scale, wait_for):
+        """dst = scale * src on the device (nothing when scale is 1); returns what a
+        reader of dst waits for."""
+        if scale == 1.0 or not src.size:
+            return wait_for
+        return [self._launch(self._k_scale, src.size, wait_for=wait_for, src=src, dst=dst,
+                             n=src.size, scale=np.float32(scale))]
 
     # -- protocol -------------------------------------------------------------------
     def _check_process(self):
@@ -518,7 +534,7 @@ class OpenCLBackend(Backend):
             if lse is not None:
                 lse[...] = -np.inf
             return result
-        qd, q_wait = self._device_f32(q, "q")
+        qd, q_wait = self._device_f32(q, "q", scale=spec.scale)
         rows = q.shape[0] * q.shape[1]
         if self._k_rotations:   # rotated like the stored rows (a private copy)
             if qd is q:
@@ -564,8 +580,7 @@ class OpenCLBackend(Backend):
             query_start=t.query_start, seq_lens=t.seq_lens,
             num_slots=self.layer_pages[layer] * self.page_size, **store, group=plan.group,
             num_groups=plan.num_groups, sub_groups=plan.sub_groups, page_size=self.page_size,
-            num_pages=self.layer_pages[layer], nnz=len(tables.page_indices), scale=spec.scale,
-            soft_cap=spec.logits_soft_cap or 0.0, sinks=sinks, has_sinks=spec.sinks is not None,
+            num_pages=self.layer_pages[layer], nnz=len(tables.page_indices), soft_cap=spec.logits_soft_cap or 0.0, sinks=sinks, has_sinks=spec.sinks is not None,
             bias_slopes=slopes, has_bias=spec.alibi_slopes is not None, out=out_d, lse=lse_d,
             has_lse=lse is not None, part_acc=part_acc, part_max=part_max, part_sum=part_sum,
             loop_counts=loop_counts)]
