@@ -71,6 +71,9 @@ def _stream_library():
     dll = ctypes.CDLL(lib)  # ctypes releases the GIL for the call
     dll.stream_read.restype = ctypes.c_float
     dll.stream_read.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_int]
+    dll.paged_read.restype = ctypes.c_float
+    dll.paged_read.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long,
+                               ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_int]
     return dll
 
 
@@ -106,6 +109,35 @@ class StreamRead:
         t_all = best_seconds(lambda: self._read(self.cores), repeat=repeat)
         t_one = best_seconds(lambda: self._read(1), repeat=repeat) if self.cores > 1 else t_all
         return self.nbytes / min(t_all, t_one)
+
+
+class PagedRead:
+    """The bandwidth of a paged decode's reads alone: ``paged_read`` of
+    ``stream_read.c`` reads K and V pages of ``page_bytes`` at the page ids
+    ``pages`` [num_seqs, pages_per_seq] (two pools of ``num_pages`` pages, as
+    the cache's pools hold them) in the host kernel's order, ``span`` pages at
+    a time, summing them and nothing else, on every core.  Beside the stream
+    read it shows what the page placement alone costs.  ``available`` is
+    False without a C compiler that takes OpenMP.
+    """
+
+    def __init__(self, pages, page_bytes, num_pages, span):
+        self._lib = _stream_library()
+        self.available = self._lib is not None
+        self.pages = np.ascontiguousarray(pages, dtype=np.int32)
+        self.page_floats = page_bytes // 4
+        self.span = span
+        self.k, self.v = (np.ones(num_pages * self.page_floats, dtype=np.float32) for _ in "kv")
+        self.nbytes = 2 * self.pages.size * self.page_floats * 4
+        self.cores = num_cores()
+
+    def bandwidth(self, repeat=3):
+        """Bytes/s of the paged read on every core, best of ``repeat``."""
+        seqs, per_seq = self.pages.shape
+        t = best_seconds(lambda: self._lib.paged_read(
+            self.k.ctypes.data, self.v.ctypes.data, self.pages.ctypes.data, seqs, per_seq,
+            self.page_floats, self.span, self.cores), repeat=repeat)
+        return self.nbytes / t
 
 
 def read_bandwidth(nbytes=1 << 30, repeat=7):

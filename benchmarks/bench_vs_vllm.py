@@ -17,7 +17,9 @@ and bfloat16):
   decode   32 sequences x 2,048 tokens of context, one new token each, with
            8 KV heads (GQA 4) and 32 (MHA); K/V bytes read per second, and
            that as a fraction of a C/OpenMP streaming read of this machine
-           measured in every round;
+           measured in every round, and as a fraction of a C/OpenMP read of
+           the same pages at the same places in the same order, with no
+           arithmetic (``paged_read``): what the page placement alone costs;
   window   the GQA decode with a sliding window of 512 (vLLM's
            ``sliding_window_size``): bytes of the window read;
   prefill  one causal sequence of 2,048 tokens, GQA and MHA: GFLOP/s, and
@@ -56,7 +58,8 @@ from dataclasses import dataclass
 import numpy as np
 
 import pagedkv
-from _common import StreamRead, best_seconds, fmt_table, num_cores
+from pagedkv._cpu import kernels as host_kernels   # the page path's reading order
+from _common import PagedRead, StreamRead, best_seconds, fmt_table, num_cores
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 from reference import dense_attention  # noqa: E402  (the tests' float64 oracle)
@@ -212,6 +215,7 @@ class SideBySide:
         self.scale = 1.0 / math.sqrt(HEAD_DIM)
         self.window = case.window if case.window > 0 else None
         self.num_seqs, self.seq_len, self.new, self.hkv = num_seqs, seq_len, new, hkv
+        self.num_pages = num_pages
 
     def pagedkv(self):
         return self.cache.attention(0, self.batch, self.q, sliding_window=self.window)
@@ -243,6 +247,17 @@ class SideBySide:
                                float(np.abs(theirs[rows] - ref).max()))
         return between, to_reference
 
+    def paged_read(self):
+        """Decode: a :class:`PagedRead` of the pages this step reads, at the pages'
+        places in the pools, in the host kernel's order."""
+        ps = self.case.block
+        visible = self.seq_len if self.window is None else min(self.seq_len, self.window)
+        first, last = (self.seq_len - visible) // ps, -(-self.seq_len // ps)
+        span = max(1, host_kernels.SPAN_KEYS_PER_STEP // ps)
+        page_bytes = ps * self.hkv * HEAD_DIM * self.cache.storage.element.itemsize
+        return PagedRead(self.block_table.numpy()[:, first:last], page_bytes, self.num_pages,
+                         span)
+
     def work(self):
         """Decode: K/V bytes read (the keys each new token sees); prefill: FLOPs."""
         visible = self.seq_len if self.window is None else min(self.seq_len, self.window)
@@ -268,20 +283,22 @@ class Result:
     ratio_range: tuple
     ours_stream: float      # median of the rounds' (bytes / s) / stream read; prefill:
     theirs_stream: float    # (FLOP / s) / sgemm rate
+    ours_paged: float       # decode: median of the rounds' (bytes / s) / paged read
     setup_s: float
 
     def row(self):
         decode = self.case.kind != "prefill"
         rates = [f"{self.work / t / 1e9:.{2 if decode else 1}f}" for t in (self.ours, self.theirs)]
         streams = [f"{x:.2f}" for x in (self.ours_stream, self.theirs_stream)]
+        paged = "-" if math.isnan(self.ours_paged) else f"{self.ours_paged:.2f}"
         return [self.case.label, self.isa, f"{self.ours * 1e3:.1f}", f"{self.theirs * 1e3:.1f}",
                 f"**{self.ratio:.2f}** ({self.ratio_range[0]:.2f}-{self.ratio_range[1]:.2f})",
-                *rates, *streams, f"{self.between:.1e}" + ("" if self.agrees else " MISMATCH")]
+                *rates, *streams, paged, f"{self.between:.1e}" + ("" if self.agrees else " MISMATCH")]
 
 
 HEADER = ["case", "vLLM ISA", "pagedkv ms", "vLLM ms", "pagedkv / vLLM (range)",
           "pagedkv GB/s, GFLOP/s", "vLLM GB/s, GFLOP/s", "pagedkv x stream, x sgemm",
-          "vLLM x stream, x sgemm", "max diff"]
+          "vLLM x stream, x sgemm", "pagedkv x paged read", "max diff"]
 
 
 def sgemm_rate(torch):
@@ -302,20 +319,27 @@ def run_case(case, args, torch, ops, stream, rng):
     repeat = args.repeat if case.kind != "prefill" else max(1, args.repeat // 2)
     work = side.work()
     times = {"pagedkv": [], "vllm": []}
-    bandwidths = []
+    bandwidths, paged_rates = [], []
+    paged = side.paged_read() if case.kind != "prefill" else None
+    if paged is not None and not paged.available:
+        paged = None
     for r in range(args.rounds):
         for name in ("pagedkv", "vllm") if r % 2 == 0 else ("vllm", "pagedkv"):
             times[name].append(best_seconds(getattr(side, name), repeat=repeat, warmup=1))
         bandwidths.append(stream.bandwidth(repeat=3) if case.kind != "prefill"
                           else sgemm_rate(torch))
+        if paged is not None:
+            paged_rates.append(paged.bandwidth())
     ours, theirs = times["pagedkv"], times["vllm"]
     ratios = [a / b for a, b in zip(ours, theirs)]
     med = statistics.median
     result = Result(case, side.isa, agrees, between, to_reference, work, med(ours), med(theirs),
                     med(ratios), (min(ratios), max(ratios)),
                     med(work / t / bw for t, bw in zip(ours, bandwidths)),
-                    med(work / t / bw for t, bw in zip(theirs, bandwidths)), setup_s)
-    del side
+                    med(work / t / bw for t, bw in zip(theirs, bandwidths)),
+                    med(work / t / bw for t, bw in zip(ours, paged_rates)) if paged_rates
+                    else float("nan"), setup_s)
+    del side, paged
     gc.collect()
     return result
 

@@ -326,6 +326,9 @@ cdef enum:
 
 #: Queries per KV head from which a work item takes the block path (pkv_block.h).
 BLOCK_MIN_QUERIES = PKV_BLOCK_MIN_QUERIES
+#: Keys per softmax step of the page path: it reads ``max(1, SPAN_KEYS // page_size)``
+#: pages of K, then the same pages of V (what benchmarks/_common.PagedRead mirrors).
+SPAN_KEYS_PER_STEP = SPAN_KEYS
 
 
 cdef struct AttentionParams:
