@@ -168,6 +168,11 @@ PKV_DEFINE_TANH(inline, pkv_tanh_s, pkv_svec, pkv_exp_s, fabs, copysign)
 /* the contract's logit and softmax steps on PKV_SW lanes at once */
 PKV_DEFINE_LOGIT(inline, pkv_logit_s, pkv_svec, pkv_tanh_s)
 PKV_DEFINE_SOFTMAX(inline, _s, pkv_svec, pkv_sivec, pkv_exp_s)
+/* the contract's row step on a query's row of logits in local memory, PKV_SW
+   keys a unit (the vectors are what PoCL vectorises, not the loops) */
+#define PKV_VARIANT_SIMD(clause)
+PKV_DEFINE_SOFTMAX_ROW(inline, pkv_row, __local, pkv_svec, pkv_sivec, PKV_SLANES, PKV_SW, _s,
+                       pkv_hmax, PKV_SSUM)
 
 __kernel __attribute__((reqd_work_group_size(PKV_WG, 1, 1)))
 void paged_attention(__global const float* q,              /* [T, num_heads, D], scaled */
@@ -436,41 +441,22 @@ void paged_attention(__global const float* q,              /* [T, num_heads, D],
                     PKV_LOOP();
                     scores[qi * PKV_CHUNK + t] = 0.0f;
                 }
-                if (soft_cap > 0.0f)   /* the visible logits transformed, PKV_SW at once */
-                    for (int v = 0; v < n_vec; ++v) {
-                        PKV_LOOP();
-                        const pkv_svec x = s[v];
-                        s[v] = x == (pkv_svec)(-INFINITY) ? x : pkv_logit_s(x, soft_cap, inverse_cap);
-                    }
-                if (has_bias) {   /* the visible logits gain slope * (j - p) */
-                    const float slope = bias_slopes[h * group + qi % group];
-                    const int d0 = (int)((long)c0 - pkv_band_position(band, qi / group));
-                    for (int t = v_lo; t < v_hi; ++t) {
-                        PKV_LOOP();
-                        scores[qi * PKV_CHUNK + t] += pkv_bias(slope, d0 + t);
-                    }
-                }
+                /* the row step's loops, for the counting build */
+                if (PKV_COUNT_LOOPS)
+                    loops += (soft_cap > 0.0f ? n_vec : 0) + (has_bias ? PKV_MAX(v_hi - v_lo, 0) : 0)
+                             + 2 * n_vec;
+                if (soft_cap > 0.0f) pkv_row_logits(s, n_vec, soft_cap, inverse_cap);
+                if (has_bias)   /* the visible logits gain slope * (j - p) */
+                    pkv_row_bias(scores + qi * PKV_CHUNK, v_lo, v_hi,
+                                 bias_slopes[h * group + qi % group],
+                                 (int)((long)c0 - pkv_band_position(band, qi / group)));
                 const float m_old = run_max[qi];
-                pkv_svec m_vec = m_old;
-                for (int v = 0; v < n_vec; ++v) {
-                    PKV_LOOP();
-                    const pkv_sivec lane = PKV_SLANES + v * PKV_SW;
-                    m_vec = pkv_max_step_s(m_vec, s[v], (lane >= v_lo) & (lane < v_hi));
-                }
-                const float m_new = pkv_hmax(m_vec);
-                pkv_svec total = 0.0f;
-                for (int v = 0; v < n_vec; ++v) {
-                    PKV_LOOP();
-                    const pkv_sivec lane = PKV_SLANES + v * PKV_SW;
-                    const pkv_svec p = pkv_weight_s(s[v], (pkv_svec)(m_new),
-                                                    (lane >= v_lo) & (lane < v_hi));
-                    s[v] = p;
-                    total += p;
-                }
+                float m_new = m_old;
+                const float total = pkv_row_step(s, n_vec, v_lo, v_hi, &m_new);
                 const float alpha = pkv_rescale(m_old, m_new);
                 rescale[qi] = alpha;
                 run_max[qi] = m_new;
-                run_sum[qi] = run_sum[qi] * alpha + PKV_SSUM(total);
+                run_sum[qi] = run_sum[qi] * alpha + total;
                 /* an empty band widens no tile's key loop in step 3 */
                 vis_lo[qi] = v_lo < v_hi ? v_lo : PKV_CHUNK;
                 vis_hi[qi] = v_lo < v_hi ? v_hi : 0;

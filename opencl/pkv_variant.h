@@ -136,6 +136,59 @@ PKV_VARIANT_FN float pkv_rescale(float m_old, float m_new) {
     return m_new == -INFINITY ? 1.0f : PKV_VARIANT_EXP(m_old - m_new);
 }
 
+/* -- a query's row -------------------------------------------------------------
+ * The kernels that hold each query's logits as a row of consecutive keys (the
+ * host page path, pkv_softmax_page in pagedkv/pkv_simd.h, and step 2 of the
+ * OpenCL kernel) take their online-softmax step on it with the functions
+ * that PKV_DEFINE_SOFTMAX_ROW(QUALIFIERS, prefix, ADDR, T, V, LANES, W,
+ * suffix, HMAX, HSUM) defines.  A row x (address space ADDR) is `units`
+ * units of type T: floats (W 1, V int, LANES 0), or vectors of W floats
+ * whose lanes hold the keys LANES + u * W of unit u (V: the int vector of
+ * lane masks, LANES its lane numbers).  suffix names PKV_DEFINE_SOFTMAX's and
+ * PKV_DEFINE_LOGIT's functions for T; HMAX and HSUM reduce a T to a float.
+ * Every loop is marked PKV_VARIANT_SIMD(clause), which the includer defines
+ * (OpenMP simd with that clause on the host, nothing in OpenCL C, whose
+ * units are its vectors).
+ *
+ *   prefix##_logits(x, units, cap, inverse_cap): pkv_logit on every unit,
+ *       but -inf stays -inf (a masked key must not become -cap);
+ *   prefix##_bias(x, lo, hi, slope, d0), x the row as floats: key t in
+ *       [lo, hi) gains pkv_bias(slope, d0 + t) (d0: the distance j - p of
+ *       key 0);
+ *   prefix##_step(x, units, lo, hi, &m): the step over the keys [lo, hi),
+ *       the visible ones: the row's logits become weights, 0 outside
+ *       [lo, hi), m the running max (in: the old, out: the new); returns the
+ *       sum of the weights, which the caller adds to the rescaled sum. */
+#define PKV_DEFINE_SOFTMAX_ROW(QUALIFIERS, prefix, ADDR, T, V, LANES, W, suffix, HMAX, HSUM) \
+QUALIFIERS void prefix##_logits(ADDR T *x, int units, float cap, float inverse_cap) {      \
+    PKV_VARIANT_SIMD()                                                                    \
+    for (int u = 0; u < units; ++u)                                                       \
+        x[u] = x[u] == (T)(-INFINITY) ? x[u] : pkv_logit##suffix(x[u], cap, inverse_cap); \
+}                                                                                         \
+QUALIFIERS void prefix##_bias(ADDR float *x, int lo, int hi, float slope, int d0) {       \
+    PKV_VARIANT_SIMD()                                                                    \
+    for (int t = lo; t < hi; ++t) x[t] += pkv_bias(slope, d0 + t);                        \
+}                                                                                         \
+QUALIFIERS float prefix##_step(ADDR T *x, int units, int lo, int hi, float *m_io) {       \
+    T m = *m_io;                                                                          \
+    PKV_VARIANT_SIMD(reduction(max:m))                                                    \
+    for (int u = 0; u < units; ++u) {                                                     \
+        const V lane = LANES + u * W;                                                     \
+        m = pkv_max_step##suffix(m, x[u], (lane >= lo) & (lane < hi));                    \
+    }                                                                                     \
+    const float m_new = HMAX(m);                                                          \
+    T total = 0.0f;                                                                       \
+    PKV_VARIANT_SIMD(reduction(+:total))                                                  \
+    for (int u = 0; u < units; ++u) {                                                     \
+        const V lane = LANES + u * W;                                                     \
+        const T w = pkv_weight##suffix(x[u], (T)(m_new), (lane >= lo) & (lane < hi));     \
+        x[u] = w;                                                                         \
+        total += w;                                                                       \
+    }                                                                                     \
+    *m_io = m_new;                                                                        \
+    return HSUM(total);                                                                   \
+}
+
 /* -- merge ---------------------------------------------------------------------
  * Parts of one query's keys (split-K), each with its max, sum and
  * accumulator: with m the max of the parts' maxes, part w weighs

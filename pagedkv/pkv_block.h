@@ -366,7 +366,7 @@ static void pkv_block_softmax(float *restrict s, int ld, int nqp, int nt, int nq
     int banded = 0;
     for (int q = 0; q < nq; q++) banded |= lo[q] != 0 || hi[q] != nt;
     if (soft_cap > 0.0f)
-        for (int t = 0; t < nt; t++) pkv_logits(s + (long)t * ld, nqp, soft_cap);
+        for (int t = 0; t < nt; t++) pkv_row_logits(s + (long)t * ld, nqp, soft_cap, 1.0f / soft_cap);
     if (slope)
         for (int t = 0; t < nt; t++) {
             float *row = s + (long)t * ld;

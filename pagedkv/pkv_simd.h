@@ -443,12 +443,12 @@ PKV_DEFINE_TANH(PKV_INLINE, pkv_tanh, float, pkv_exp_nonpositive, __builtin_fabs
 #define PKV_VARIANT_TANH pkv_tanh
 #include "pkv_variant.h"
 
-/* The logit transform on s[0 : n], where it does anything (a soft cap). */
-static inline void pkv_logits(float *restrict s, int n, float cap) {
-    const float inverse = 1.0f / cap;
-    #pragma omp simd
-    for (int i = 0; i < n; i++) s[i] = pkv_logit(s[i], cap, inverse);
-}
+/* The contract's row step (pkv_variant.h) on rows of floats, vectorised by
+ * OpenMP simd. */
+#define PKV_PRAGMA(x) _Pragma(#x)
+#define PKV_VARIANT_SIMD(clause) PKV_PRAGMA(omp simd clause)
+#define PKV_SCALAR(x) (x)
+PKV_DEFINE_SOFTMAX_ROW(static inline, pkv_row, , float, int, 0, 1, , PKV_SCALAR, PKV_SCALAR)
 
 
 /* One step of online softmax for queries 0 : nq_padded over the keys of a
@@ -469,11 +469,11 @@ static inline void pkv_softmax_page(float *restrict s, int ld, int nq, int nq_pa
                                     float soft_cap, const float *restrict slopes,
                                     float *restrict run_max, float *restrict run_sum,
                                     float *restrict alpha) {
+    const float inverse_cap = soft_cap > 0.0f ? 1.0f / soft_cap : 0.0f;
     /* When the keys fill the rows (nt == ld), capping all rows in one loop
-     * costs less than a short loop per query's band (keys outside the band
-     * are zeroed below either way). */
+     * costs less than a short loop per query's band. */
     const int cap_rows = soft_cap > 0.0f && nt == ld;
-    if (cap_rows) pkv_logits(s, nq * ld, soft_cap);
+    if (cap_rows) pkv_row_logits(s, nq * ld, soft_cap, inverse_cap);
     /* Queries go in chunks of 16, so that the rescale factors of a chunk are
      * exponentiated in one vector loop rather than one call per query. */
     for (int q0 = 0; q0 < nq_padded; q0 += 16) {
@@ -488,36 +488,13 @@ static inline void pkv_softmax_page(float *restrict s, int ld, int nq, int nq_pa
                 lo = lo > 0 ? lo : 0;
                 hi = hi < nt ? hi : nt;
             }
+            if (hi > lo && soft_cap > 0.0f && !cap_rows)
+                pkv_row_logits(row + lo, (int)(hi - lo), soft_cap, inverse_cap);
+            if (hi > lo && slopes)
+                pkv_row_bias(row, (int)lo, (int)hi, slopes[qi % group],
+                             (int)(first_key - pkv_band_position(band, qi / group)));
             old_max[qi - q0] = run_max[qi];
-            page_sum[qi - q0] = 0.0f;
-            if (hi <= lo) {
-                for (int t = 0; t < nt; t++) row[t] = 0.0f;
-                continue;
-            }
-            const int n = (int)(hi - lo);
-            float *visible = row + lo;
-            if (soft_cap > 0.0f && !cap_rows) pkv_logits(visible, n, soft_cap);
-            if (slopes) {
-                const float slope = slopes[qi % group];
-                /* visible[t] is the key at first_key + lo + t */
-                const int d0 = (int)(first_key + lo - pkv_band_position(band, qi / group));
-                #pragma omp simd
-                for (int t = 0; t < n; t++) visible[t] += pkv_bias(slope, d0 + t);
-            }
-            float m = run_max[qi];
-            #pragma omp simd reduction(max:m)
-            for (int t = 0; t < n; t++) m = pkv_max_step(m, visible[t], 1);
-            float total = 0.0f;
-            #pragma omp simd reduction(+:total)
-            for (int t = 0; t < n; t++) {
-                const float w = pkv_weight(visible[t], m, 1);
-                visible[t] = w;
-                total += w;
-            }
-            page_sum[qi - q0] = total;
-            for (int t = 0; t < lo; t++) row[t] = 0.0f;
-            for (int t = (int)hi; t < nt; t++) row[t] = 0.0f;
-            run_max[qi] = m;
+            page_sum[qi - q0] = pkv_row_step(row, nt, (int)lo, (int)hi, &run_max[qi]);
         }
         #pragma omp simd
         for (int qi = q0; qi < q1; qi++) alpha[qi] = pkv_rescale(old_max[qi - q0], run_max[qi]);
