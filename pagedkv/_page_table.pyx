@@ -63,10 +63,14 @@ cdef extern from *:
     #include <cstdint>
     #include <unordered_map>
     // one sequence's page list in one pool; the first `released` entries are
-    // -1 (given back: only a pool with a window gives pages back)
+    // -1 (given back: only a pool with a window gives pages back).  It holds
+    // the rows from position first_row on, in page `released` or later: a
+    // sequence placed with K/V that begin mid-page (an import) lacks the rows
+    // of its first page before it
     struct PkvPages {
         std::vector<int32_t> pages;
         int64_t released = 0;
+        int64_t first_row = 0;
     };
     struct PkvSequence {
         std::vector<PkvPages> pools;   // indexed like PageTables.pools
@@ -162,6 +166,7 @@ cdef extern from *:
         PkvPages() except +
         vector[int32_t] pages
         int64_t released
+        int64_t first_row
     cdef cppclass PkvSequence:
         PkvSequence() except +
         vector[PkvPages] pools
@@ -224,6 +229,11 @@ cdef extern from "pkv_hash.h" nogil:
 cdef uint64_t ROOT_HASH = 0
 cdef int64_t ROOT_ENTRY = -1
 cdef int32_t RELEASED = -1
+
+
+cdef inline int64_t rows_from(const PkvPages& own, int64_t page_size) noexcept nogil:
+    """The first position whose rows the list ``own`` holds."""
+    return max(own.released * page_size, own.first_row)
 
 
 cdef inline int64_t pages_for(int64_t num_tokens, int64_t page_size) noexcept nogil:
@@ -417,12 +427,13 @@ cdef class Pool:
         needs of it starts at page ``window_from``."""
         return window_from if self.gives_back else 0
 
-    cdef int check_first_held(self, int64_t length, int64_t window_from) except -1:
+    cdef int check_first_held(self, int64_t length, int64_t window_from,
+                              int64_t first_row) except -1:
         """ValueError unless a sequence of ``length`` tokens placed with its pages
-        before ``window_from`` given back still holds what its next query (at
-        position ``length``) sees.  That keeps the page of its last token
-        whenever that page is partly full: an append writes there, and a list
-        without it would hand out page -1."""
+        before ``window_from`` given back, and its rows from ``first_row`` on,
+        still holds what its next query (at position ``length``) sees.  That
+        keeps the page of its last token whenever that page is partly full: an
+        append writes there, and a list without it would hand out page -1."""
         if not self.gives_back:
             return 0
         cdef int64_t sees_from = max(<int64_t>0, length - self.window + 1)
@@ -433,6 +444,11 @@ cdef class Pool:
                 f"query at position {length} sees (window {self.window}), from position "
                 f"{sees_from}, on page {last} of pages of {self.page_size} tokens; expected "
                 f"window_from <= {last}, got {window_from}")
+        if first_row > sees_from:
+            raise ValueError(
+                f"first_row: a sequence of {length} tokens keeps{self.where} the K/V a "
+                f"query at position {length} sees (window {self.window}), from position "
+                f"{sees_from}; expected first_row <= {sees_from}, got {first_row}")
         return 0
 
     cdef str free_text(self, int64_t busy=0, bint hint=True):
@@ -441,11 +457,13 @@ cdef class Pool:
                 f"{self.where}{self.hint if hint else ''}")
 
     # -- one sequence's list -------------------------------------------------------
-    cdef int start(self, PkvPages& own, int64_t first, int64_t num_pages) except -1:
+    cdef int start(self, PkvPages& own, int64_t first, int64_t num_pages,
+                   int64_t first_row) except -1:
         """New pages for pages ``first:num_pages`` of a new list, the ones before it
-        given back."""
+        given back, holding rows from ``first_row`` on."""
         own.pages.assign(first, RELEASED)
         own.released = first
+        own.first_row = first_row
         while <int64_t>own.pages.size() < num_pages:
             own.pages.push_back(self.allocator.take_page())
         return 0
@@ -470,14 +488,16 @@ cdef class Pool:
     cdef void drop(self, PkvPages& own) noexcept nogil:
         release_pages(self.allocator, own.pages, 0)
         own.released = 0
+        own.first_row = 0
 
     cdef void truncate(self, PkvPages& own, int64_t num_pages) noexcept nogil:
         release_pages(self.allocator, own.pages, num_pages)
         own.released = min(own.released, <int64_t>own.pages.size())
+        own.first_row = min(own.first_row, num_pages * self.page_size)
 
     cdef int check_rollback(self, PkvPages& own, int64_t length, int64_t new_len) except -1:
         """ValueError unless truncating to ``new_len`` keeps what the pool's queries need."""
-        cdef int64_t held_from = own.released * self.page_size
+        cdef int64_t held_from = rows_from(own, self.page_size)
         # a query at new_len (the first after the rollback) sees from new_len - window + 1;
         # only positions given back (before held_from) that it would see are missing
         if 0 < new_len < length and max(new_len - self.window + 1, <int64_t>0) < held_from:
@@ -920,7 +940,7 @@ cdef class PageTables:
     def window_held_from(self, seq_id):
         """The first position whose window-pool K/V the sequence still holds."""
         cdef PkvSequence* seq = self.find(seq_id)
-        return min(self.pool_pages(seq, True).released * self.page_size, seq.length)
+        return min(rows_from(self.pool_pages(seq, True)[0], self.page_size), seq.length)
 
     def slots(self, seq_id, int64_t start, int64_t stop, bint window=False):
         """Slots (``page * page_size + offset``) of positions ``start:stop``, in the
@@ -935,9 +955,9 @@ cdef class PageTables:
         if not 0 <= start <= stop <= seq.length:
             raise ValueError(f"positions {start}:{stop}: expected 0 <= start <= stop <= "
                              f"seq_len={seq.length}")
-        if start < stop and start < own.released * self.page_size:
+        if start < stop and start < rows_from(own[0], self.page_size):
             raise ValueError(f"positions {start}:{stop}: the window pool holds this sequence's "
-                             f"K/V only from position {own.released * self.page_size}")
+                             f"K/V only from position {rows_from(own[0], self.page_size)}")
         out = np.empty(stop - start, dtype=np.int64)
         cdef int64_t[::1] view = out
         cdef int64_t pos, ps = self.page_size
@@ -1333,12 +1353,16 @@ cdef class PageTables:
         self.seqs.erase(<int64_t>seq_id)
         self.swapped[int(seq_id)] = entry
 
-    def adopt(self, int64_t length, token_ids=None, int64_t window_from=0, write=None):
+    def adopt(self, int64_t length, token_ids=None, int64_t window_from=0, write=None,
+              int64_t first_row=-1):
         """A new sequence of ``length`` tokens on new pages, for K/V that come from
         elsewhere (import, load); returns its id.
 
         All or nothing over every pool.  Its window pages before page
-        ``window_from`` are given back from the start.  ``token_ids`` (int32,
+        ``window_from`` are given back from the start, and the window pool
+        holds its rows from position ``first_row`` on (a position of page
+        ``window_from``; -1: that page's first), so that no rollback reaches
+        the rows of that page before it.  ``token_ids`` (int32,
         at most ``length``: the leading tokens the cache will know, with
         prefix caching) extend into its hash chain.  ``write(seq_id)`` then
         fills its K/V; once it returns, the full pages of known tokens join
@@ -1351,7 +1375,7 @@ cdef class PageTables:
             Too few free pages in either pool; nothing changed.
         """
         seq_id = self.next_id
-        self.place(seq_id, length, token_ids, window_from, write, "import")
+        self.place(seq_id, length, token_ids, window_from, first_row, write, "import")
         self.next_id += 1
         return seq_id
 
@@ -1366,21 +1390,22 @@ cdef class PageTables:
                 self.seqs.erase(seq_id)
         self.next_id = min(self.next_id, first_id)
 
-    def swap_in(self, seq_id, int64_t window_from=0, write=None):
+    def swap_in(self, seq_id, int64_t window_from=0, write=None, int64_t first_row=-1):
         """Give a swapped-out sequence new pages (as ``adopt`` does, its window pages
-        before ``window_from`` given back) and its id, length and token ids again;
+        before ``window_from`` given back, its rows from ``first_row`` on) and its
+        id, length and token ids again;
         ``write(seq_id)`` fills its K/V.  All or nothing: it stays swapped out
         when this raises (``OutOfPagesError``, or ``write``'s error)."""
         entry = self.swapped_entry(seq_id)
         if entry is None:
             self.find(seq_id)
             raise ValueError(f"seq_id: sequence {seq_id} is not swapped out")
-        self.place(int(seq_id), entry[0], entry[1], window_from, write, "swap_in")
+        self.place(int(seq_id), entry[0], entry[1], window_from, first_row, write, "swap_in")
         del self.swapped[int(seq_id)]
 
 
-    cdef place(self, int64_t seq_id, int64_t length, token_ids, int64_t window_from, write,
-               str caller):
+    cdef place(self, int64_t seq_id, int64_t length, token_ids, int64_t window_from,
+               int64_t first_row, write, str caller):
         """``adopt`` and ``swap_in``: sequence ``seq_id`` of ``length`` tokens on new pages."""
         cdef int64_t ps = self.page_size, j, needed, num_pages = pages_for(length, ps)
         cdef const int32_t[::1] tokens
@@ -1390,8 +1415,14 @@ cdef class PageTables:
         if not 0 <= window_from <= num_pages:
             raise ValueError(f"window_from: expected 0 <= window_from <= {num_pages} pages, "
                              f"got {window_from}")
+        if first_row == -1:
+            first_row = window_from * ps
+        if not window_from * ps <= first_row < (window_from + 1) * ps:
+            raise ValueError(f"first_row: expected a position of page {window_from} "
+                             f"({window_from * ps} to {(window_from + 1) * ps - 1}), "
+                             f"got {first_row}")
         for pool in self.pools:
-            pool.check_first_held(length, window_from)
+            pool.check_first_held(length, window_from, first_row)
         for pool in self.pools:
             needed = num_pages - pool.first_held(window_from)
             if needed > pool.allocator.num_free_pages:
@@ -1409,7 +1440,8 @@ cdef class PageTables:
             seq.tokens.assign(&tokens[0], &tokens[0] + tokens.shape[0])
         seq.pools.resize(len(self.pools))
         for pool in self.pools:
-            pool.start(seq.pools[pool.index], pool.first_held(window_from), num_pages)
+            pool.start(seq.pools[pool.index], pool.first_held(window_from), num_pages,
+                       first_row if pool.gives_back else 0)
         seq.length = length
         self.seqs[seq_id] = seq
         try:

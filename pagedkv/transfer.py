@@ -254,13 +254,15 @@ def check_fits(cache, kv, name="kv"):
 
 
 def window_start(cache, kv, trim=True):
-    """The first position the windowed layers of ``cache`` hold of ``kv`` (a page
-    boundary), or ValueError naming a layer that needs positions ``kv`` lacks.
+    """The first position the windowed layers of ``cache`` hold of ``kv``, or
+    ValueError naming a layer that needs positions ``kv`` lacks.
 
-    Full-attention layers hold every position.  Windowed layers hold whole
-    pages from the first page ``kv`` covers in every windowed layer; with
-    ``trim``, not before the pages a decode step would keep (what the window
-    and ``window_rollback_tokens`` need), so that no window page is taken
+    Full-attention layers hold every position.  Windowed layers hold the rows
+    from the first position ``kv`` holds in every windowed layer, which may
+    lie inside a page (the window pool then holds that page without its
+    earlier rows, and refuses a rollback that would need them); with
+    ``trim``, not before the page of what a decode step would keep (the
+    window and ``window_rollback_tokens``), so that no window page is taken
     for positions no query can see.
     """
     length, page_size = kv.num_tokens, cache.page_size
@@ -275,8 +277,7 @@ def window_start(cache, kv, trim=True):
     if window_pool is None:
         return 0
     windowed = window_pool.layers
-    held = max(kv.layer_start[layer] for layer in windowed)
-    start = -(-held // page_size) * page_size
+    held = start = max(kv.layer_start[layer] for layer in windowed)
     if trim:
         keep = window_pool.spec.keep_from(length, length)
         start = max(start, keep // page_size * page_size)
@@ -286,9 +287,7 @@ def window_start(cache, kv, trim=True):
             raise ValueError(
                 f"layer_start: layer {layer} (sliding window {windows[layer]}) needs K/V from "
                 f"position {need} of {length}; the sequence's K/V of layer "
-                f"{max(windowed, key=lambda w: kv.layer_start[w])} start at position {held}"
-                + (f", which in pages of {page_size} tokens is position {start}"
-                   if start != held else ""))
+                f"{max(windowed, key=lambda w: kv.layer_start[w])} start at position {held}")
     return min(start, length)
 
 
@@ -328,7 +327,8 @@ def import_sequence(cache, kv, start=None):
         start = window_start(cache, kv)
     tokens = kv.token_ids if cache.prefix_caching else None
     return cache._tables.adopt(kv.num_tokens, tokens, start // cache.page_size,
-                               lambda seq_id: write_sequence(cache, kv, seq_id, start))
+                               lambda seq_id: write_sequence(cache, kv, seq_id, start),
+                               first_row=start)
 
 
 def swap_out(cache, seq_id):
@@ -347,7 +347,7 @@ def swap_in(cache, seq_id):
     kv = cache._swapped[int(seq_id)]
     start = window_start(cache, kv, trim=False)
     cache._tables.swap_in(seq_id, start // cache.page_size,
-                          lambda s: write_sequence(cache, kv, s, start))
+                          lambda s: write_sequence(cache, kv, s, start), first_row=start)
     del cache._swapped[int(seq_id)]
 
 

@@ -184,6 +184,57 @@ def test_a_layer_needing_positions_the_export_lacks_is_refused(backend):
                                       bits(same.gather(layer, t, start)[0]))
 
 
+def test_a_window_that_starts_inside_a_page_is_held_from_there(backend):
+    """K/V whose windowed layers start inside a page of the importing cache (an
+    export from pages of 2 into pages of 8) are held from that row on: imported,
+    exported, swapped and forked without the rows before it, which no rollback
+    may reach, and decoding goes on as over the full K/V."""
+    rng = np.random.default_rng(15)
+    windows = [None, 4, 4]
+    source = make(backend, layer_windows=windows, page_size=2)
+    twin = make(backend)                      # the same K/V, every position kept
+    s, w = source.add_sequence(), twin.add_sequence()
+    for count in (21, 1):
+        batch, twin_batch = source.append([s], count), twin.append([w], count)
+        for layer in range(L):
+            k, v = (rng.standard_normal((count, H, D)).astype(np.float32) for _ in "kv")
+            source.store(layer, batch, k, v)
+            twin.store(layer, twin_batch, k, v)
+    kv = source.export_sequence(s)
+    assert kv.layer_start[1] == kv.layer_start[2] == 18     # inside page 2 of pages of 8
+    cache = make(backend, layer_windows=windows, page_size=8)
+    t = cache.import_sequence(kv)
+    assert held_from(cache, t, 1) == 18 and cache.window_page_count(t) == 1
+    for layer in range(L):
+        start = 18 if windows[layer] else 0
+        for x, y in zip(twin.gather(layer, w, start), cache.gather(layer, t, start)):
+            np.testing.assert_array_equal(bits(x), bits(y))
+    with pytest.raises(ValueError, match="only from position 18"):
+        cache.gather(1, t, 16)
+    # a query at 21 (after a rollback by one) sees from 18: held; one at 20 would not be
+    with pytest.raises(ValueError, match="new_len: .* before position 18"):
+        cache.truncate(t, 20)
+    cache.swap_out(t)
+    cache.swap_in(t)
+    child = cache.fork(t)
+    for seq in (t, child):
+        assert held_from(cache, seq, 1) == 18
+        with pytest.raises(ValueError, match="before position 18"):
+            cache.truncate(seq, 20)
+    cache.truncate(child, 21)
+    cache.free(child)
+    for _ in range(3):                       # decode on: window pages come and go
+        batch, twin_batch = cache.append([t], 1), twin.append([w], 1)
+        q = rng.standard_normal((1, HQ, D)).astype(np.float32)
+        for layer in range(L):
+            k, v = (rng.standard_normal((1, H, D)).astype(np.float32) for _ in "kv")
+            cache.store(layer, batch, k, v)
+            twin.store(layer, twin_batch, k, v)
+            expected = twin.attention(layer, twin_batch, q, sliding_window=windows[layer])
+            np.testing.assert_allclose(cache.attention(layer, batch, q), expected,
+                                       **TOLERANCE["float32"])
+
+
 def test_mismatched_or_inconsistent_exports_are_refused(backend):
     rng = np.random.default_rng(6)
     source = make(backend, dtype="int8")
