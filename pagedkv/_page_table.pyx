@@ -530,9 +530,10 @@ cdef class Pool:
 
     cdef void cache_under(self, PkvPages& own, int64_t j, int64_t entry,
                           const int32_t* tokens) noexcept nogil:
-        """Cache the list's page ``j`` (if held) under ``entry``, the prefix-index
-        entry of the chain's page at the same place."""
-        if own.pages[j] != RELEASED:
+        """Cache the list's page ``j`` (if held, with all its rows: not the first page
+        of a list that begins mid-page) under ``entry``, the prefix-index entry of
+        the chain's page at the same place."""
+        if own.pages[j] != RELEASED and j * self.page_size >= own.first_row:
             self.allocator.cache_page(own.pages[j], <uint64_t>entry, ROOT_ENTRY, tokens)
 
     # -- one step: the plan (changes nothing) ---------------------------------------

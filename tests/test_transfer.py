@@ -235,6 +235,26 @@ def test_a_window_that_starts_inside_a_page_is_held_from_there(backend):
                                        **TOLERANCE["float32"])
 
 
+def test_a_window_page_without_its_first_rows_is_not_cached(backend):
+    """With prefix caching, the full page an imported window starts inside joins
+    the prefix cache in the full pool only: a prompt hit must not hand its
+    missing rows to a new sequence (whose rollbacks could then see them)."""
+    rng = np.random.default_rng(16)
+    windows = [None, 4, 4]
+    tokens = np.arange(100, 130, dtype=np.int32)
+    source = make(backend, layer_windows=windows, page_size=2, enable_prefix_caching=True)
+    s = source.add_sequence()
+    step(source, [s], [29], rng, token_ids=tokens[:29])
+    step(source, [s], [1], rng, token_ids=tokens[29:])
+    kv = source.export_sequence(s)
+    assert kv.layer_start[1] == 26 and kv.token_ids is not None
+    cache = make(backend, layer_windows=windows, page_size=4, enable_prefix_caching=True)
+    t = cache.import_sequence(kv)           # window page 6 (positions 24-27) from row 26
+    assert held_from(cache, t, 1) == 26
+    hit = cache.add_sequence(token_ids=tokens[:29])
+    assert cache.seq_len(hit) <= 24         # page 6 of the window pool is not reused
+
+
 def test_mismatched_or_inconsistent_exports_are_refused(backend):
     rng = np.random.default_rng(6)
     source = make(backend, dtype="int8")
