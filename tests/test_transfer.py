@@ -235,6 +235,26 @@ def test_a_window_that_starts_inside_a_page_is_held_from_there(backend):
                                        **TOLERANCE["float32"])
 
 
+@pytest.mark.parametrize("window_from,first_row,match", [
+    (1, 3, "first_row: expected a position of page 1 \\(4 to 7\\), got 3"),
+    (1, 8, "first_row: expected a position of page 1 \\(4 to 7\\), got 8"),
+    (1, 7, "first_row: .* from position 6; expected first_row <= 6, got 7"),
+])
+def test_a_first_row_the_window_cannot_hold_from_is_refused(backend, window_from, first_row,
+                                                             match):
+    """``adopt``'s ``first_row`` must lie in page ``window_from`` and not after what
+    the next query sees; otherwise ValueError and nothing changes."""
+    cache = make(backend, num_pages=16, layer_windows=[None, 4, 4], num_window_pages=16)
+    before = (cache.num_free_pages, cache.num_free_window_pages, cache.seq_ids(),
+              cache._tables.next_id)
+    with pytest.raises(ValueError, match=match):
+        cache._tables.adopt(9, None, window_from, None, first_row=first_row)
+    assert (cache.num_free_pages, cache.num_free_window_pages, cache.seq_ids(),
+            cache._tables.next_id) == before
+    seq = cache._tables.adopt(9, None, 1, None, first_row=6)     # the next query sees from 6
+    assert cache._tables.window_held_from(seq) == 6
+
+
 def test_a_window_page_without_its_first_rows_is_not_cached(backend):
     """With prefix caching, the full page an imported window starts inside joins
     the prefix cache in the full pool only: a prompt hit must not hand its
