@@ -1300,7 +1300,7 @@ cdef class PageTables:
                     seq.hashes[j] != self.pending[i].hash or \
                     (j + 1) * self.page_size > <int64_t>seq.tokens.size():
                 continue
-            parent_entry = ROOT_ENTRY if j == 0 else self.allocator.entry_of(deref(chain)[j - 1])
+            parent_entry = self.chain_entry(seq, j - 1)
             if parent_entry == 0 or not self.allocator.cache_page(
                     deref(chain)[j], self.pending[i].hash, parent_entry,
                     &seq.tokens[j * self.page_size]):
@@ -1460,11 +1460,40 @@ cdef class PageTables:
         cdef int64_t j, parent_entry, ps = self.page_size
         cdef vector[int32_t]* chain = &seq.pools[0].pages
         for j in range(<int64_t>seq.hashes.size()):
-            parent_entry = ROOT_ENTRY if j == 0 else self.allocator.entry_of(deref(chain)[j - 1])
+            parent_entry = self.chain_entry(seq, j - 1)
             if parent_entry == 0 or not self.allocator.cache_page(
                     deref(chain)[j], seq.hashes[j], parent_entry, &seq.tokens[j * ps]):
                 continue
             self.cache_in_other_pools(seq, j)
+
+    cdef int64_t chain_entry(self, PkvSequence* seq, int64_t j) noexcept nogil:
+        """The prefix index's entry of the sequence's first ``j + 1`` full pages (the
+        parent entry of its page ``j + 1``; ROOT_ENTRY for ``j == -1``), or 0 when
+        the index does not hold them.
+
+        That is its page ``j``'s entry, or, where that page is not cached
+        because another page of the same tokens after the same chain was
+        cached first, the other page's: two sequences computed one prompt, or
+        an import, load or swap-in placed a sequence beside its own cached
+        copy.  Without that, none of the pages the sequence fills afterwards
+        would ever join the index.
+        """
+        cdef int64_t i = j, entry = ROOT_ENTRY, ps = self.page_size
+        cdef vector[int32_t]* chain = &seq.pools[0].pages
+        cdef int32_t page
+        while i >= 0:           # back to its nearest page that is cached itself ...
+            entry = self.allocator.entry_of(deref(chain)[i])
+            if entry:
+                break
+            i -= 1
+        if i < 0:
+            entry = ROOT_ENTRY
+        for i in range(i + 1, j + 1):      # ... then along the cached copies of the rest
+            page = self.allocator.lookup(seq.hashes[i], entry, &seq.tokens[i * ps])
+            if page < 0:
+                return 0
+            entry = self.allocator.entry_of(page)
+        return entry
 
     cdef void cache_in_other_pools(self, PkvSequence* seq, int64_t j) noexcept nogil:
         """Cache the sequence's page ``j`` of every pool but the first (where held)

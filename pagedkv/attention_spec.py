@@ -112,7 +112,7 @@ class AttentionSpec:
     @classmethod
     def from_arguments(cls, *, head_dim, num_heads, scale=None, sliding_window=None,
                        logits_soft_cap=None, sinks=None, attention_chunk_size=None,
-                       alibi_slopes=None, as_numpy=None):
+                       alibi_slopes=None, as_numpy=None, max_seq_len=None):
         """Validate the variant arguments of ``PagedKVCache.attention``.
 
         Parameters
@@ -129,12 +129,17 @@ class AttentionSpec:
             ``as_numpy(name, value)`` turns ``sinks`` or ``alibi_slopes`` into
             an ndarray (the facade passes its converter for torch tensors and
             other array types); None: ``np.asarray``.
+        max_seq_len : int, optional
+            The longest sequence the cache holds (None: the tables' int32
+            limit): ALiBi's bias ``alibi_slopes[h] * (j - p)`` must stay well
+            inside float32 over that many positions.
 
         Raises
         ------
         ValueError
-            A value out of range or not finite, or ``sinks`` or
-            ``alibi_slopes`` of another shape; the message names the argument.
+            A value out of range or not finite, ``sinks`` or ``alibi_slopes``
+            of another shape, or slopes whose bias would leave float32's range
+            within ``max_seq_len``; the message names the argument.
         """
         scale = 1.0 / math.sqrt(head_dim) if scale is None else _positive_float32("scale", scale)
         if sliding_window is not None:
@@ -149,6 +154,17 @@ class AttentionSpec:
         if alibi_slopes is not None:
             alibi_slopes = cls._check_per_head("alibi_slopes",
                                                as_numpy("alibi_slopes", alibi_slopes), num_heads)
+            # Half of float32's range, so that the bias plus a logit stays finite
+            # too: a bias of inf (or a row maximum of inf) makes the row NaN.
+            distance = (2**31 - 1 if max_seq_len is None else max_seq_len) - 1
+            limit = float(np.finfo(np.float32).max) / 2
+            steepest = float(np.abs(alibi_slopes).max(initial=0.0))
+            if steepest * distance > limit:
+                raise ValueError(f"alibi_slopes: a slope of magnitude {steepest:.6g} gives a bias "
+                                 f"of {steepest * distance:.6g} at a distance of {distance} "
+                                 f"positions (max_seq_len="
+                                 f"{max_seq_len}), past float32's range (at most "
+                                 f"{limit / max(distance, 1):.6g} is accepted)")
         return cls(scale, sliding_window, logits_soft_cap, sinks, attention_chunk_size,
                    alibi_slopes)
 

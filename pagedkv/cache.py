@@ -578,6 +578,8 @@ class PagedKVCache:
             head ``h`` at position ``p`` for the key at position ``j`` gains
             ``alibi_slopes[h] * (j - p)`` after ``scale`` and the soft cap
             (``j - p`` an integer, made a float only to be multiplied).
+            ``|slope| * (max_seq_len - 1)`` must stay within half of float32's
+            range (the int32 limit stands in for an unset ``max_seq_len``).
 
         Returns
         -------
@@ -592,7 +594,8 @@ class PagedKVCache:
             out of range (``sliding_window < 1``, ``attention_chunk_size < 1``,
             ``logits_soft_cap <= 0``, a
             scale or cap not finite in float32, ``sinks`` or ``alibi_slopes``
-            of another shape or not finite); the message names the argument.  Nothing changes.
+            of another shape or not finite, slopes too steep for
+            ``max_seq_len``); the message names the argument.  Nothing changes.
         """
         layer = self._check_step(layer, batch)
         as_torch = is_torch_tensor(q)
@@ -606,7 +609,7 @@ class PagedKVCache:
             head_dim=self.head_dim, num_heads=num_heads, scale=scale,
             sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, sinks=sinks,
             attention_chunk_size=attention_chunk_size, alibi_slopes=alibi_slopes,
-            as_numpy=array_or_as_given)
+            as_numpy=array_or_as_given, max_seq_len=self.max_seq_len)
         pool = self._layer_pool[layer]
         spec = pool.layer_spec(layer, spec, self.layer_windows[layer])
         tables = pool.step_tables(batch)
@@ -749,8 +752,7 @@ class PagedKVCache:
         OutOfPagesError
             Too few free pages in either pool.  Nothing changed.
         """
-        transfer.check_fits(self, kv)
-        return transfer.import_sequence(self, kv)
+        return transfer.import_sequence(self, transfer.check_fits(self, kv))
 
     @exclusive
     def swap_out(self, seq_id: int) -> None:

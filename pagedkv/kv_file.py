@@ -29,6 +29,7 @@ and imports the sequences.
 """
 import json
 import os
+import reprlib
 import secrets
 import zlib
 from concurrent.futures import ThreadPoolExecutor
@@ -102,6 +103,8 @@ def _row_tensors(prefix, rows_of_layers):
 def _export_chains(cache):
     """The prefix cache's reachable pages: tensors and their count per pool."""
     chains = cache._tables.cached_chains()
+    if not len(chains["pages"]):
+        return {}, {"num_pages": 0, "num_window_pages": 0}
     ps = cache.page_size
     has_window = chains["window_pages"] >= 0
     offsets = np.arange(ps, dtype=np.int64)
@@ -151,7 +154,7 @@ def save(cache, path, seq_ids=None):
             raise ValueError(f"seq_ids: expected distinct ids, got {ids}"[:200])
     for seq_id in ids:
         cache._tables.seq_len(seq_id)       # unknown ids fail before anything is written
-    kvs = [transfer.export_sequence(cache, seq_id) for seq_id in ids]
+    kvs = [transfer.export_sequence(cache, seq_id, copy=False) for seq_id in ids]
     tensors, sequences = {}, []
     for i, kv in enumerate(kvs):
         tensors.update(_row_tensors(f"sequence.{i}", [kv.rows(layer)
@@ -215,9 +218,16 @@ def _json(path, metadata, key):
         raise _FileError(path, f"its metadata lack {key!r}")
     try:
         return json.loads(metadata[key])
-    except ValueError:
-        raise _FileError(path, f"its metadata entry {key!r} is not JSON: "
-                               f"{metadata[key]!r}"[:200]) from None
+    except (ValueError, RecursionError):       # (JSON nested past Python's stack)
+        raise _FileError(path, f"its metadata entry {key!r} is not JSON (or nested too "
+                               f"deeply): {metadata[key]!r}"[:200]) from None
+
+
+def _shown(value):
+    """A short text of a value read from a file, whatever its size or nesting."""
+    shown = reprlib.Repr()
+    shown.maxlevel, shown.maxlist, shown.maxdict, shown.maxstring = 3, 8, 8, 60
+    return shown.repr(value)
 
 
 # The safetensors dtypes a pagedkv file holds.
@@ -275,7 +285,7 @@ def _read_tensors(path):
             header = json.loads(f.read(size))
             data = np.empty(os.fstat(f.fileno()).st_size - 8 - size, np.uint8)
             got = f.readinto(data.data)
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:
         raise _FileError(path, f"cannot be read: {exc}") from None
     tensors = {}
     try:
@@ -309,7 +319,7 @@ class _Contents:
             if isinstance(config[key], bool) or not isinstance(config[key], int) or \
                     config[key] < 1:
                 raise _FileError(path, f"{key}: expected an int >= 1 in its metadata, got "
-                                       f"{config[key]!r}"[:200])
+                                       f"{_shown(config[key])}")
         windows = config["layer_windows"]
         if not isinstance(windows, list) or len(windows) != config["num_layers"]:
             raise _FileError(path, f"layer_windows: expected a list of {config['num_layers']} "
@@ -359,7 +369,7 @@ class _Contents:
         except ValueError as exc:
             raise _FileError(self.path, f"dtype: {exc}") from None
         if storage.rotation_block != rotation:
-            raise _FileError(self.path, f"rotation_block {rotation!r} does not match dtype "
+            raise _FileError(self.path, f"rotation_block {_shown(rotation)} does not match dtype "
                                         f"{storage.name} at head_dim {self.config['head_dim']}")
         return storage
 
@@ -373,7 +383,7 @@ class _Contents:
                         for s in starts):
             raise _FileError(self.path, f"sequences[{i}]: expected num_tokens (an int) and "
                                         f"layer_start ({self.config['num_layers']} ints in "
-                                        f"[0, num_tokens]), got {entry!r}"[:300])
+                                        f"[0, num_tokens]), got {_shown(entry)}")
         rows = self._rows(f"sequence.{i}", [num_tokens - s for s in starts], storage)
         tokens = self._take(f"sequence.{i}.token_ids", np.int32, (num_tokens,)) \
             if entry.get("token_ids") else None
@@ -396,8 +406,13 @@ class _Contents:
                 not 0 <= n_window <= n:
             raise _FileError(self.path, f"prefix_cache: expected num_pages and "
                                         f"num_window_pages (ints, 0 <= num_window_pages <= "
-                                        f"num_pages), got {entry!r}"[:200])
+                                        f"num_pages), got {_shown(entry)}")
         if n == 0:
+            # earlier saves wrote an empty prefix cache as tensors of zero pages: such
+            # files load too
+            for name in [name for name in self._tensors if name.startswith("prefix_cache.")]:
+                if self._tensors[name].ndim and not self._tensors[name].shape[0]:
+                    del self._tensors[name]
             return None
         ps = self.config["page_size"]
         chains = transfer.CachedChains(

@@ -16,14 +16,14 @@ convert exactly as stored values would.  A windowed layer keeps only the
 positions its window still needs; its window pages before them are never
 taken, so a long sequence fits a small window pool.
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple, Optional, Tuple
 
 import numpy as np
 
 from pagedkv.backends.base import StepTables, StoredRows
 from pagedkv.backends.host import decode_rows
-from pagedkv.errors import ArgumentTypeError
+from pagedkv.errors import ArgumentTypeError, OutOfPagesError
 from pagedkv.pools import SLIDING_WINDOW
 from pagedkv.storage import NAMES as STORAGE_NAMES, StorageFormat, storage_format
 
@@ -106,16 +106,32 @@ class SequenceKV:
                 f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
                 f"dtype={self.dtype!r}, nbytes={self.nbytes})")
 
+    def copy(self) -> "SequenceKV":
+        """A copy whose arrays are its own (writable, in one new buffer)."""
+        rows = rows_in_one_buffer(self.storage, [self.num_tokens - s for s in self.layer_start],
+                                  self.num_kv_heads, self.head_dim)
+        for layer, copies in enumerate(rows):
+            for target, source in zip(copies, self.rows(layer)):
+                if target is not None:
+                    target[...] = source
+        return replace(self, **layer_arrays(self.storage, rows),
+                       token_ids=None if self.token_ids is None else self.token_ids.copy())
+
     def check(self, name="kv"):
-        """Raise ValueError (naming the field) unless every field is consistent; returns self.
+        """Raise ValueError (naming the field) unless every field is consistent.
 
         Import and load call this: an unpickled or hand-made object skips
-        ``__init__``, and nothing inconsistent may reach the kernels.
+        ``__init__``, and nothing inconsistent may reach the kernels.  What
+        they place is the object returned: the same content with plain ints
+        and plain, C-contiguous ndarrays, whose real buffers were checked (an
+        ndarray subclass may say anything of its ``shape`` or ``dtype``).
         """
         for field in ("num_tokens", "num_kv_heads", "head_dim", "rotation_block"):
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
                 raise ValueError(f"{name}.{field}: expected an int >= 0, got {value!r}"[:200])
+        self = replace(self, **{field: int(getattr(self, field)) for field in
+                                ("num_tokens", "num_kv_heads", "head_dim", "rotation_block")})
         if self.num_kv_heads < 1 or self.head_dim < 1:
             raise ValueError(f"{name}: expected num_kv_heads and head_dim >= 1, got "
                              f"{self.num_kv_heads} and {self.head_dim}")
@@ -133,6 +149,7 @@ class SequenceKV:
                 or not 0 <= s <= self.num_tokens for s in starts):
             raise ValueError(f"{name}.layer_start: expected a non-empty tuple of ints in "
                              f"[0, num_tokens={self.num_tokens}], got {starts!r}"[:200])
+        starts = tuple(int(s) for s in starts)
         parts = {part.field: part for part in storage.copy_set(self.head_dim)}
         arrays = {}
         for field, part in _LAYER_FIELDS.items():
@@ -142,24 +159,35 @@ class SequenceKV:
             elif given is not None:
                 raise ValueError(f"{name}.{field}: {self.dtype} rows have no scales; "
                                  f"expected None")
+        plain = {}
         for field, (given, dtype, ndim) in arrays.items():
             if not isinstance(given, tuple) or len(given) != len(starts):
                 raise ValueError(f"{name}.{field}: expected a tuple of {len(starts)} arrays "
                                  f"(one per layer), got {type(given).__name__}")
+            checked = []
             for layer, (array, start) in enumerate(zip(given, starts)):
                 shape = (self.num_tokens - start, self.num_kv_heads, self.head_dim)[:ndim]
-                if not isinstance(array, np.ndarray) or array.dtype != dtype or \
-                        array.shape != shape:
-                    got = f"{array.dtype} {list(array.shape)}" if isinstance(
-                        array, np.ndarray) else type(array).__name__
+                real = _real_array(array)
+                if real is None or real.dtype != dtype or real.shape != shape:
+                    got = type(array).__name__ if real is None else \
+                        f"{real.dtype} {list(real.shape)}"
                     raise ValueError(f"{name}.{field}[{layer}]: expected a {dtype} array of "
                                      f"shape {list(shape)}, got {got}")
-        ids = self.token_ids
-        if ids is not None and (not isinstance(ids, np.ndarray) or ids.dtype != np.int32
-                                or ids.shape != (self.num_tokens,)):
+                checked.append(np.require(real, requirements=("C", "A")))
+            plain[field] = tuple(checked)
+        ids = None if self.token_ids is None else _real_array(self.token_ids)
+        if self.token_ids is not None and (ids is None or ids.dtype != np.int32 or
+                                           ids.shape != (self.num_tokens,)):
             raise ValueError(f"{name}.token_ids: expected None or an int32 array of shape "
                              f"[{self.num_tokens}]")
-        return self
+        return replace(self, layer_start=starts, **plain,
+                       token_ids=None if ids is None else np.require(ids, requirements=("C", "A")))
+
+
+def _real_array(value):
+    """``value`` as a plain ndarray over its real buffer (what the array is, whatever
+    a subclass says of its ``shape`` or ``dtype``); None if it is not an ndarray."""
+    return np.asarray(value) if isinstance(value, np.ndarray) else None
 
 
 #: SequenceKV's per-layer fields, and the StoredRows field each holds.
@@ -213,11 +241,16 @@ def rows_in_one_buffer(storage, counts, num_kv_heads, head_dim):
     return rows
 
 
-def export_sequence(cache, seq_id):
-    """``cache.export_sequence``: a copy of the sequence's stored rows."""
+def export_sequence(cache, seq_id, copy=True):
+    """``cache.export_sequence``: a copy of the sequence's stored rows.
+
+    ``copy=False``: a swapped-out sequence's K/V as the cache holds them
+    (read-only), for a caller that reads them and hands them to nobody.
+    """
     tables = cache._tables
     if tables.is_swapped(seq_id):
-        return cache._swapped[int(seq_id)]
+        kv = cache._swapped[int(seq_id)]
+        return kv.copy() if copy else kv
     length = tables.seq_len(seq_id)
     held_from = {pool.name: pool.held_from(seq_id) for pool in cache._pools}
     slots = {pool.name: pool.slots(seq_id, held_from[pool.name], length)
@@ -237,11 +270,12 @@ def export_sequence(cache, seq_id):
 
 def check_fits(cache, kv, name="kv"):
     """ValueError (naming the field) unless ``kv`` is a consistent SequenceKV of
-    this cache's shape."""
+    this cache's shape; returns what :meth:`SequenceKV.check` returns, which
+    is what to place."""
     if not isinstance(kv, SequenceKV):
         raise ArgumentTypeError(f"{name}: expected a pagedkv.SequenceKV (from "
                                 f"export_sequence), got {type(kv).__name__}")
-    kv.check(name)
+    kv = kv.check(name)
     for field in ("num_layers", "num_kv_heads", "head_dim"):
         if getattr(kv, field) != getattr(cache, field):
             raise ValueError(f"{name}.{field}: this cache has {field}={getattr(cache, field)}, "
@@ -251,6 +285,7 @@ def check_fits(cache, kv, name="kv"):
         raise ValueError(f"{name}.num_tokens: {kv.num_tokens} tokens, over this cache's "
                          + (f"max_seq_len={cache.max_seq_len}" if cache.max_seq_len
                             else "int32 limit of the tables"))
+    return kv
 
 
 def window_start(cache, kv, trim=True):
@@ -334,8 +369,9 @@ def import_sequence(cache, kv, start=None):
 def swap_out(cache, seq_id):
     """``cache.swap_out``: the sequence's K/V to host memory, its pages to the pools."""
     kv = export_sequence(cache, seq_id)
-    for array in kv.keys + kv.values + (kv.key_scales or ()) + (kv.value_scales or ()):
-        array.setflags(write=False)       # what export_sequence hands out must stay as it is
+    for array in kv.keys + kv.values + (kv.key_scales or ()) + (kv.value_scales or ()) + \
+            ((kv.token_ids,) if kv.token_ids is not None else ()):
+        array.setflags(write=False)       # the cache's own: nothing may change them
     cache._tables.swap_out(seq_id)
     cache._swapped[int(seq_id)] = kv
 
@@ -378,77 +414,151 @@ class CachedChains(NamedTuple):
     rows: Tuple[StoredRows, ...]
 
 
-def _recut_positions(chains, page_size):
-    """The pages of ``page_size`` tokens that the chains' token prefixes fill.
+class _Recut(NamedTuple):
+    """The pages of another page size that cached chains' token prefixes fill, one
+    entry per new page (no per-position table yet: there can be far more new
+    positions than the chains hold when the new pages are larger).
 
-    Returns
-    -------
-    node, offset : ndarray, shape [M, page_size], int64
-        Where each position of each new page comes from (a chain page, and the
-        position in it).
+    Attributes
+    ----------
+    end : ndarray, shape [M], int64
+        The chain page holding the new page's last position.
+    first : ndarray, shape [M], int64
+        The new page's first position along its prefix.
     parents : ndarray, shape [M], int64
+        Each new page's parent, an earlier new page, or -1.
+    held : ndarray, shape [M], bool
+        Whether the chains hold the rows of every position up to the new
+        page's end in every layer of ``needed`` (then its parent is held too).
+    held_window : ndarray, shape [M], bool
+        Whether they hold the rows of the new page's own positions in every
+        layer of ``needed_window``.
+    depth : ndarray, shape [N], int64
+        Each chain page's place along its prefix (its first position over the
+        chains' page size).
+    """
+    end: np.ndarray
+    first: np.ndarray
+    parents: np.ndarray
+    held: np.ndarray
+    held_window: np.ndarray
+    depth: np.ndarray
+
+
+def _recut(chains, page_size, needed, needed_window):
+    """The chains cut into pages of ``page_size`` tokens: a :class:`_Recut`, in time
+    linear in the number of chain pages and new pages.
+
+    ``needed``, ``needed_window``: the layers whose rows a new page must have
+    to be entered, and those its window pages need.
     """
     ps, parents = chains.page_size, chains.parents
-    depth = np.zeros(len(parents), np.int64)
-    for i, parent in enumerate(parents.tolist()):
-        depth[i] = 0 if parent < 0 else depth[parent] + 1
-    index_of: dict = {}      # (chain page holding a new page's last position, new page) -> index
-    nodes: list = []
-    offsets: list = []
-    new_parents: list = []
-    for end in range(len(parents)):
-        first = int(depth[end]) * ps     # the chain page's first position
-        for j in range(-(-(first + 1) // page_size) - 1, (first + ps) // page_size):
-            node, offset = np.empty(page_size, np.int64), np.empty(page_size, np.int64)
-            at = end
-            for pos in range((j + 1) * page_size - 1, j * page_size - 1, -1):
-                while depth[at] * ps > pos:
-                    at = parents[at]
-                node[pos - j * page_size], offset[pos - j * page_size] = at, pos - depth[at] * ps
-            if j:
-                while depth[at] * ps > j * page_size - 1:
-                    at = parents[at]
-            index_of[end, j] = len(nodes)
-            new_parents.append(index_of[at, j - 1] if j else -1)
-            nodes.append(node)
-            offsets.append(offset)
-    shape = (len(nodes), page_size)
-    return (np.array(nodes, np.int64).reshape(shape), np.array(offsets, np.int64).reshape(shape),
-            np.array(new_parents, np.int64))
+    n = len(parents)
+
+    def rows_in(layers):       # whether each chain page has rows in all of ``layers``
+        out = np.ones(n, bool)
+        for layer in layers:
+            if chains.layer_windowed[layer]:
+                out &= chains.has_window
+        return out
+
+    usable, usable_window = rows_in(needed), rows_in(needed_window)
+    depth = np.empty(n, np.int64)
+    path_held = np.empty(n, bool)      # the page and all its ancestors usable
+    window_run = np.empty(n, np.int64)  # usable_window pages ending the path at it
+    last_new = np.empty(n, np.int64)   # the last new page ending at it or an ancestor
+    counts = np.empty(n, np.int64)
+    index = 0
+    # one pass, parents first (the file's order, checked on reading)
+    for i, (parent, ok, ok_window) in enumerate(zip(parents.tolist(), usable.tolist(),
+                                                    usable_window.tolist())):
+        d = 0 if parent < 0 else int(depth[parent]) + 1
+        depth[i] = d
+        path_held[i] = ok and (parent < 0 or bool(path_held[parent]))
+        window_run[i] = (1 + (0 if parent < 0 else int(window_run[parent]))) if ok_window else 0
+        counts[i] = count = (d + 1) * ps // page_size - d * ps // page_size
+        index += count
+        last_new[i] = index - 1 if count else (-1 if parent < 0 else last_new[parent])
+    starts = np.cumsum(counts) - counts
+    end = np.repeat(np.arange(n, dtype=np.int64), counts)
+    m = len(end)
+    nth = np.arange(m, dtype=np.int64) - starts[end]
+    first = (depth[end] * ps // page_size + nth) * page_size
+    before = np.where(parents >= 0, last_new[np.maximum(parents, 0)], -1)
+    new_parents = np.where(nth > 0, np.arange(m, dtype=np.int64) - 1, before[end])
+    # the chain pages a new page spans: from the one holding its first position to `end`
+    spans = depth[end] - first // ps + 1
+    return _Recut(end, first, new_parents, path_held[end], window_run[end] >= spans, depth)
+
+
+def _positions(chains, depth, end, first, page_size):
+    """Where each position of the new pages (``end`` and ``first`` of a
+    :class:`_Recut`, K pages) comes from: ``node`` (a chain page) and ``offset`` (a
+    position in it), each ndarray, shape [K, page_size], int64.
+
+    Walks up from each page's last chain page, one chain page per round for
+    all new pages at once: work in proportion to the K * page_size positions.
+    """
+    ps, parents = chains.page_size, chains.parents
+    node = np.empty((len(end), page_size), np.int64)
+    offset = np.empty((len(end), page_size), np.int64)
+    at = end.copy()
+    todo = np.arange(len(end), dtype=np.int64)
+    while len(todo):
+        chain_page, begin = at[todo], first[todo]
+        low = np.maximum(depth[chain_page] * ps, begin)     # the positions it holds
+        high = np.minimum((depth[chain_page] + 1) * ps, begin + page_size)
+        lengths = high - low
+        rows = np.repeat(todo, lengths)
+        positions = np.arange(int(lengths.sum()), dtype=np.int64) \
+            - np.repeat(np.cumsum(lengths) - lengths - low, lengths)
+        node[rows, positions - first[rows]] = np.repeat(chain_page, lengths)
+        offset[rows, positions - first[rows]] = positions - np.repeat(depth[chain_page] * ps,
+                                                                      lengths)
+        more = low > begin
+        todo = todo[more]
+        at[todo] = parents[chain_page[more]]
+    return node, offset
 
 
 def add_cached_chains(cache, chains, reserve, reserve_window):
     """Enter ``chains`` in the cache's prefix cache, cut into its page size, converted
     to its format; only pages whose K/V every layer here needs are held (and
-    then their descendants).  ``reserve``: pages kept free for what comes next."""
+    then their descendants).  ``reserve``: pages kept free for what comes next.
+
+    Chains that cannot fit are refused (``OutOfPagesError``) before any work in
+    proportion to the pages they would fill.
+    """
     page_size = cache.page_size
-    if page_size == chains.page_size:
-        n = len(chains.parents)
-        node = np.repeat(np.arange(n, dtype=np.int64)[:, None], page_size, axis=1)
-        offset = np.tile(np.arange(page_size, dtype=np.int64), (n, 1))
-        parents = chains.parents
-    else:
-        node, offset, parents = _recut_positions(chains, page_size)
-    # per layer of the chains: where a page's rows start in ``rows``, -1 where it has none
-    windowed_rank = np.where(chains.has_window, np.cumsum(chains.has_window) - 1, -1)
-    full_rank = np.arange(len(chains.parents), dtype=np.int64)
-    rank = [windowed_rank if windowed else full_rank for windowed in chains.layer_windowed]
-    held = [(r[node] >= 0).all(axis=1) for r in rank]      # [num_layers] of [M] bool
     full_layers = cache._pools[0].layers
     window_pool = _window_pool(cache)
     windowed = window_pool.layers if window_pool is not None else ()
-    valid = np.logical_and.reduce([held[layer] for layer in full_layers] + [np.ones(len(node),
-                                                                                     bool)])
-    has_window = np.logical_and.reduce([held[layer] for layer in windowed]) if windowed         else np.zeros(len(node), bool)
-    for i, parent in enumerate(parents.tolist()):     # a page without its parent is unreachable
-        valid[i] &= parent < 0 or valid[parent]
-    keep = np.flatnonzero(valid)
-    renumber = np.full(len(node), -1, np.int64)
-    renumber[keep] = np.arange(len(keep))
-    parents = np.where(parents[keep] >= 0, renumber[parents[keep]], -1)
-    node, offset, has_window = node[keep], offset[keep], has_window[keep]
+    recut = _recut(chains, page_size, full_layers, windowed)
+    keep = np.flatnonzero(recut.held)
+    has_window = recut.held_window[keep] if windowed else np.zeros(len(keep), bool)
+    # A page already cached here needs no new page, and there are at most
+    # num_pages of those: chains beyond that and the free pages cannot fit.
+    for pool, count, reserved in ((cache._pools[0], len(keep), reserve),
+                                  (window_pool, int(has_window.sum()), reserve_window)):
+        if pool is not None and count > pool.allocator.num_pages + pool.allocator.num_free \
+                - reserved:
+            raise OutOfPagesError(
+                f"load: the prefix cache's chains fill {count} pages of {page_size} tokens "
+                f"besides the sequences' {reserved}; this cache's pool {pool.name!r} has "
+                f"{pool.allocator.num_pages} pages, {pool.allocator.num_free} free")
     if not len(keep):
         return 0
+    renumber = np.full(len(recut.held), -1, np.int64)
+    renumber[keep] = np.arange(len(keep))
+    parents = np.where(recut.parents[keep] >= 0, renumber[np.maximum(recut.parents[keep], 0)],
+                       -1)
+    node, offset = _positions(chains, recut.depth, recut.end[keep], recut.first[keep],
+                              page_size)
+    # per layer of the chains: where a page's rows start in ``rows``, -1 where it has none
+    windowed_rank = np.where(chains.has_window, np.cumsum(chains.has_window) - 1, -1)
+    full_rank = np.arange(len(chains.parents), dtype=np.int64)
+    rank = [windowed_rank if windowed_layer else full_rank
+            for windowed_layer in chains.layer_windowed]
     rows_at = [rank[layer][node] * chains.page_size + offset for layer in range(len(rank))]
     token_ids = np.ascontiguousarray(chains.token_ids[node, offset])
     offsets = np.arange(page_size, dtype=np.int64)

@@ -9,8 +9,8 @@ queue as a plain list, and follows the documented policy step by step:
 * a sequence's pages are released last page first;
 * a write into a partly filled last page that is cached, or held by another
   sequence, copies it first;
-* a page joins the cache when it becomes full, if its parent page is cached
-  and no page is cached under the same prefix.
+* a page joins the cache when it becomes full, if its parent's prefix is cached
+  (on its parent page or another) and no page is cached under the same prefix.
 
 It predicts exact page ids, so the real cache must agree with it page for page.
 """
@@ -116,7 +116,9 @@ class PrefixCacheModel:
                 s["known"] = len(s["tokens"])
                 for j in range(length // ps, s["known"] // ps):
                     prefix = tuple(s["tokens"][:(j + 1) * ps])
-                    parent_cached = j == 0 or s["pages"][j - 1] in self.prefix_of
+                    # its parent's prefix is cached: on its parent page, or on another
+                    # page cached first under the same prefix
+                    parent_cached = j == 0 or tuple(s["tokens"][:j * ps]) in self.page_of
                     page = s["pages"][j]
                     if parent_cached and prefix not in self.page_of and page not in self.prefix_of:
                         self.page_of[prefix] = page
