@@ -154,10 +154,11 @@ class AttentionSpec:
         if alibi_slopes is not None:
             alibi_slopes = cls._check_per_head("alibi_slopes",
                                                as_numpy("alibi_slopes", alibi_slopes), num_heads)
-            # Half of float32's range, so that the bias plus a logit stays finite
-            # too: a bias of inf (or a row maximum of inf) makes the row NaN.
+            # A quarter of float32's range, so that a bias, the logit it is added
+            # to and their distance from the row's maximum all stay finite: one
+            # inf makes the row NaN.
             distance = (2**31 - 1 if max_seq_len is None else max_seq_len) - 1
-            limit = float(np.finfo(np.float32).max) / 2
+            limit = float(np.finfo(np.float32).max) / 4
             steepest = float(np.abs(alibi_slopes).max(initial=0.0))
             if steepest * distance > limit:
                 raise ValueError(f"alibi_slopes: a slope of magnitude {steepest:.6g} gives a bias "

@@ -578,8 +578,8 @@ class PagedKVCache:
             head ``h`` at position ``p`` for the key at position ``j`` gains
             ``alibi_slopes[h] * (j - p)`` after ``scale`` and the soft cap
             (``j - p`` an integer, made a float only to be multiplied).
-            ``|slope| * (max_seq_len - 1)`` must stay within half of float32's
-            range (the int32 limit stands in for an unset ``max_seq_len``).
+            ``|slope| * (max_seq_len - 1)`` must stay within a quarter of
+            float32's range (the int32 limit stands in for an unset ``max_seq_len``).
 
         Returns
         -------

@@ -433,6 +433,11 @@ class _Recut(NamedTuple):
     held_window : ndarray, shape [M], bool
         Whether they hold the rows of the new page's own positions in every
         layer of ``needed_window``.
+    prefix : ndarray, shape [M], int64
+        A number for the new page's token prefix (the tokens of its positions
+        and all before): new pages of one prefix are one page.  The chains
+        hold one when two branches part inside a chain page after the end of
+        a new page, or when a file lists a chain page twice.
     depth : ndarray, shape [N], int64
         Each chain page's place along its prefix (its first position over the
         chains' page size).
@@ -442,12 +447,13 @@ class _Recut(NamedTuple):
     parents: np.ndarray
     held: np.ndarray
     held_window: np.ndarray
+    prefix: np.ndarray
     depth: np.ndarray
 
 
 def _recut(chains, page_size, needed, needed_window):
     """The chains cut into pages of ``page_size`` tokens: a :class:`_Recut`, in time
-    linear in the number of chain pages and new pages.
+    linear in the chains' tokens and the number of new pages.
 
     ``needed``, ``needed_window``: the layers whose rows a new page must have
     to be entered, and those its window pages need.
@@ -468,10 +474,20 @@ def _recut(chains, page_size, needed, needed_window):
     window_run = np.empty(n, np.int64)  # usable_window pages ending the path at it
     last_new = np.empty(n, np.int64)   # the last new page ending at it or an ancestor
     counts = np.empty(n, np.int64)
+    # each position's token prefix, numbered: a trie of the chains' tokens
+    prefix_of: list = []
+    trie: dict = {}
     index = 0
     # one pass, parents first (the file's order, checked on reading)
-    for i, (parent, ok, ok_window) in enumerate(zip(parents.tolist(), usable.tolist(),
-                                                    usable_window.tolist())):
+    for i, (parent, ok, ok_window, tokens) in enumerate(zip(
+            parents.tolist(), usable.tolist(), usable_window.tolist(),
+            chains.token_ids.tolist())):
+        node = -1 if parent < 0 else prefix_of[parent][-1]
+        prefixes = []
+        for token in tokens:
+            node = trie.setdefault((node, token), len(trie))
+            prefixes.append(node)
+        prefix_of.append(prefixes)
         d = 0 if parent < 0 else int(depth[parent]) + 1
         depth[i] = d
         path_held[i] = ok and (parent < 0 or bool(path_held[parent]))
@@ -488,7 +504,11 @@ def _recut(chains, page_size, needed, needed_window):
     new_parents = np.where(nth > 0, np.arange(m, dtype=np.int64) - 1, before[end])
     # the chain pages a new page spans: from the one holding its first position to `end`
     spans = depth[end] - first // ps + 1
-    return _Recut(end, first, new_parents, path_held[end], window_run[end] >= spans, depth)
+    last = first + page_size - 1 - depth[end] * ps         # its last position in `end`
+    prefix = np.array([prefix_of[e][o] for e, o in zip(end.tolist(), last.tolist())],
+                      np.int64).reshape(m)
+    return _Recut(end, first, new_parents, path_held[end], window_run[end] >= spans, prefix,
+                  depth)
 
 
 def _positions(chains, depth, end, first, page_size):
@@ -534,7 +554,10 @@ def add_cached_chains(cache, chains, reserve, reserve_window):
     window_pool = _window_pool(cache)
     windowed = window_pool.layers if window_pool is not None else ()
     recut = _recut(chains, page_size, full_layers, windowed)
-    keep = np.flatnonzero(recut.held)
+    held = np.flatnonzero(recut.held)
+    # one page per token prefix: the first held one (its parent is held, and of
+    # the parent's prefix)
+    keep = np.sort(held[np.unique(recut.prefix[held], return_index=True)[1]])
     has_window = recut.held_window[keep] if windowed else np.zeros(len(keep), bool)
     # A page already cached here needs no new page, and there are at most
     # num_pages of those: chains beyond that and the free pages cannot fit.
@@ -548,10 +571,10 @@ def add_cached_chains(cache, chains, reserve, reserve_window):
                 f"{pool.allocator.num_pages} pages, {pool.allocator.num_free} free")
     if not len(keep):
         return 0
-    renumber = np.full(len(recut.held), -1, np.int64)
-    renumber[keep] = np.arange(len(keep))
-    parents = np.where(recut.parents[keep] >= 0, renumber[np.maximum(recut.parents[keep], 0)],
-                       -1)
+    renumber = np.full(int(recut.prefix.max()) + 1, -1, np.int64)     # by prefix
+    renumber[recut.prefix[keep]] = np.arange(len(keep))
+    parents = np.where(recut.parents[keep] >= 0,
+                       renumber[recut.prefix[np.maximum(recut.parents[keep], 0)]], -1)
     node, offset = _positions(chains, recut.depth, recut.end[keep], recut.first[keep],
                               page_size)
     # per layer of the chains: where a page's rows start in ``rows``, -1 where it has none
