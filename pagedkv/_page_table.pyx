@@ -1332,16 +1332,26 @@ cdef class PageTables:
         return False
 
     def known_tokens(self, seq_id):
-        """The sequence's leading token ids that the cache knows (prefix caching:
-        all of them while ``len == seq_len``); ndarray, shape [known], int32 (a copy)."""
+        """The sequence's leading token ids that the cache knows and whose K/V are
+        stored (prefix caching: all of them while ``len == seq_len``); ndarray,
+        shape [known], int32 (a copy).
+
+        The tokens of a step still open (not yet stored in every layer) are left
+        out: a sequence exported, saved or swapped out meanwhile must not bring
+        their pages into a prefix cache, unwritten.
+        """
         entry = self.swapped_entry(seq_id)
         if entry is not None:
             return entry[1].copy()
         cdef PkvSequence* seq = self.find(seq_id)
-        out = np.empty(seq.tokens.size(), dtype=np.int32)
+        cdef size_t n = seq.tokens.size(), i
+        for i in range(self.open_seqs.size()):
+            if self.open_seqs[i].first == <int64_t>seq_id:
+                n = min(n, <size_t>self.open_seqs[i].second)
+        out = np.empty(n, dtype=np.int32)
         cdef int32_t[::1] view = out
-        if seq.tokens.size():
-            memcpy(&view[0], seq.tokens.data(), seq.tokens.size() * sizeof(int32_t))
+        if n:
+            memcpy(&view[0], seq.tokens.data(), n * sizeof(int32_t))
         return out
 
     def swap_out(self, seq_id):

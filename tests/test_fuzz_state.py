@@ -7,7 +7,15 @@ be abandoned part way), whatever mix of prefix hits, forks, rollbacks and
 abandoned steps produced them.  After every call nothing crashed; after a failed call
 the observable state is exactly what it was; at the end, freeing everything
 returns every page.
+
+Sequences also leave the cache and come back (swap, export/import, save/load):
+they keep their tokens and K/V, and with their tokens known, the pages they
+fill afterwards join the prefix cache like any other's (a prompt of their
+tokens hits every full page, unless an eviction intervened).
 """
+import os
+import tempfile
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
@@ -59,16 +67,23 @@ class CacheMachine(RuleBasedStateMachine):
         self.stored = {}          # seq id -> per layer, a bool per position: K/V stored
         self.batch = None         # the last step: (StepBatch, seq ids, counts, layers stored)
         self.checkpoints = []     # [checkpoint, tokens at the time, still valid]
+        self.swapped = set()      # seq ids swapped out
+        self.folder = tempfile.mkdtemp(prefix="pagedkv-fuzz-")
         self.rng = np.random.default_rng(0)
 
     # -- helpers ---------------------------------------------------------------
     def live(self):
         return sorted(self.tokens)
 
+    def active(self):
+        """Live sequences that are not swapped out."""
+        return [s for s in self.live() if s not in self.swapped]
+
     def snapshot(self):
         c = self.cache
-        return (c.num_free_pages, c.seq_ids(),
-                {s: (c.seq_len(s), c.gather(0, s)[0].tobytes()) for s in c.seq_ids()})
+        return (c.num_free_pages, c.seq_ids(), sorted(self.swapped),
+                {s: (c.seq_len(s), c.export_sequence(s).keys[0].tobytes())
+                 for s in c.seq_ids()})
 
     def expect_failure(self, call, *errors):
         before = self.snapshot()
@@ -112,10 +127,10 @@ class CacheMachine(RuleBasedStateMachine):
         finally:
             self.hash.armed = False
 
-    @precondition(lambda self: self.tokens)
+    @precondition(lambda self: self.active())
     @rule(data=st.data())
     def fork(self, data):
-        s = data.draw(st.sampled_from(self.live()))
+        s = data.draw(st.sampled_from(self.active()))
         child = self.cache.fork(s)
         self.tokens[child] = list(self.tokens[s])
         self.stored[child] = [list(flags) for flags in self.stored[s]]
@@ -126,6 +141,7 @@ class CacheMachine(RuleBasedStateMachine):
         s = data.draw(st.sampled_from(self.live()))
         self.cache.free(s)
         del self.tokens[s], self.stored[s]
+        self.swapped.discard(s)
         self.invalidate_step()
 
     @rule()
@@ -133,12 +149,13 @@ class CacheMachine(RuleBasedStateMachine):
         self.cache.clear()
         self.tokens.clear()
         self.stored.clear()
+        self.swapped.clear()
         self.invalidate_step()
 
-    @precondition(lambda self: self.tokens)
+    @precondition(lambda self: self.active())
     @rule(data=st.data())
     def truncate(self, data):
-        s = data.draw(st.sampled_from(self.live()))
+        s = data.draw(st.sampled_from(self.active()))
         new_len = data.draw(st.integers(0, len(self.tokens[s])))
         self.checkpoints.append([self.cache.checkpoint(s), list(self.tokens[s]), True])
         self.cache.truncate(s, new_len)
@@ -153,7 +170,7 @@ class CacheMachine(RuleBasedStateMachine):
         checkpoint, tokens, valid = self.checkpoints.pop(i)
         if checkpoint.seq_id not in self.tokens:
             self.expect_failure(lambda: self.cache.restore(checkpoint), KeyError)
-        elif not valid:
+        elif not valid or checkpoint.seq_id in self.swapped:
             self.expect_failure(lambda: self.cache.restore(checkpoint), ValueError)
         else:
             self.cache.restore(checkpoint)
@@ -162,10 +179,10 @@ class CacheMachine(RuleBasedStateMachine):
             self.invalidate_step()
 
     # -- steps -----------------------------------------------------------------
-    @precondition(lambda self: self.tokens)
+    @precondition(lambda self: self.active())
     @rule(data=st.data(), with_tokens=st.booleans())
     def append(self, data, with_tokens):
-        seqs = data.draw(st.lists(st.sampled_from(self.live()), min_size=1, max_size=3,
+        seqs = data.draw(st.lists(st.sampled_from(self.active()), min_size=1, max_size=3,
                                   unique=True))
         counts = data.draw(st.lists(st.integers(0, 5), min_size=len(seqs), max_size=len(seqs)))
         new = [data.draw(st.lists(st.integers(0, 1), min_size=n, max_size=n)) for n in counts]
@@ -220,6 +237,102 @@ class CacheMachine(RuleBasedStateMachine):
                 **TOLERANCE["float32"])
             row += n
 
+    # -- sequences that leave the cache ----------------------------------------
+    @precondition(lambda self: self.active())
+    @rule(data=st.data())
+    def swap_out(self, data):
+        s = data.draw(st.sampled_from(self.active()))
+        self.cache.swap_out(s)
+        self.swapped.add(s)
+        self.invalidate_step()
+        self.expect_failure(lambda: self.cache.append([s], 1), ValueError)
+
+    @precondition(lambda self: self.swapped)
+    @rule(data=st.data())
+    def swap_in(self, data):
+        s = data.draw(st.sampled_from(sorted(self.swapped)))
+        before = self.snapshot()
+        try:
+            self.cache.swap_in(s)
+        except pagedkv.OutOfPagesError:
+            assert self.snapshot() == before
+            return
+        self.swapped.discard(s)
+
+    def place_copy(self, s, through_a_file):
+        """A copy of sequence ``s`` placed by export/import or save/load: its id, or
+        None when there was no room (and nothing changed)."""
+        before = self.snapshot()
+        try:
+            if through_a_file:
+                path = os.path.join(self.folder, "kv.safetensors")
+                self.cache.save(path, seq_ids=[s])
+                (t,) = self.cache.load(path)
+            else:
+                t = self.cache.import_sequence(self.cache.export_sequence(s))
+        except pagedkv.OutOfPagesError:
+            assert self.snapshot() == before
+            return None
+        self.tokens[t] = list(self.tokens[s])
+        self.stored[t] = [list(flags) for flags in self.stored[s]]
+        self.invalidate_step()
+        return t
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data(), through_a_file=st.booleans())
+    def export_and_import(self, data, through_a_file):
+        """A sequence, swapped out or not, placed again beside itself."""
+        self.place_copy(data.draw(st.sampled_from(self.live())), through_a_file)
+
+    @precondition(lambda self: self.active() and (self.batch is None or
+                                                  len(self.batch[3]) == LAYERS))
+    @rule(data=st.data(), how=st.sampled_from(["swap", "import", "load"]),
+          new=st.lists(st.integers(0, 1), min_size=1, max_size=4))
+    def transfer_and_decode(self, data, how, new):
+        """A sequence whose tokens the cache knows, stored in every layer, leaves and
+        comes back, then decodes: the pages it fills join the prefix cache."""
+        ready = [s for s in self.active() if all(all(flags) for flags in self.stored[s])
+                 and self.cache.export_sequence(s).token_ids is not None]
+        if not ready:
+            return
+        s = data.draw(st.sampled_from(ready))
+        evictions = self.cache.stats()["num_evictions"]
+        reached = self.hit(self.tokens[s]) == len(self.tokens[s]) // PAGE * PAGE
+        self.invalidate_step()
+        if how == "swap":
+            self.cache.swap_out(s)
+            self.swapped.add(s)
+            try:
+                self.cache.swap_in(s)
+            except pagedkv.OutOfPagesError:
+                return
+            self.swapped.discard(s)
+            t = s
+        else:
+            t = self.place_copy(s, how == "load")
+            if t is None:
+                return
+            self.cache.free(s)
+            del self.tokens[s], self.stored[s]
+        try:
+            batch = self.cache.append([t], [len(new)], token_ids=new)
+        except pagedkv.OutOfPagesError:
+            return
+        self.tokens[t] += new
+        for layer in range(LAYERS):
+            self.stored[t][layer] += [True] * len(new)
+            self.cache.store(layer, batch, *self.step_kv([t], [len(new)], layer))
+        if reached and self.cache.stats()["num_evictions"] == evictions:
+            tokens = self.tokens[t]
+            assert self.hit(tokens) == len(tokens) // PAGE * PAGE, (how, tokens)
+
+    def hit(self, tokens):
+        """How many of ``tokens`` a prompt of them and one more token reuses."""
+        probe = self.cache.add_sequence(token_ids=list(tokens) + [0])
+        hit = self.cache.seq_len(probe)
+        self.cache.free(probe)
+        return hit
+
     # -- invalid calls ---------------------------------------------------------
     @rule(data=st.data())
     def invalid_call(self, data):
@@ -270,13 +383,16 @@ class CacheMachine(RuleBasedStateMachine):
         for s in self.live():
             assert self.cache.seq_len(s) == len(self.tokens[s])
         # pages several sequences hold, as the allocator counts them for cascade's fast path
-        held = np.concatenate([self.cache.page_ids(s) for s in self.live()] + [[]])
+        held = np.concatenate([self.cache.page_ids(s) for s in self.active()] + [[]])
         _, holders = np.unique(held, return_counts=True)
         assert self.cache._allocator.num_shared_pages == int((holders > 1).sum())
 
     def teardown(self):
         if not hasattr(self, "cache"):
             return
+        for name in os.listdir(self.folder):
+            os.unlink(os.path.join(self.folder, name))
+        os.rmdir(self.folder)
         # what every stored layer holds: only the steps stored in full are known
         # to match; freeing everything returns every page
         self.cache.clear()

@@ -245,6 +245,30 @@ def test_two_sequences_that_computed_one_prompt_both_cache_what_follows(backend)
                 np.testing.assert_array_equal(x[8:], z[8:12])
 
 
+def test_a_step_not_yet_stored_does_not_travel_into_a_prefix_cache(backend, tmp_path):
+    """Export, save or swap-out between a step's append and its last store: the
+    step's tokens are not known yet, so no page of them joins a prefix cache."""
+    rng = np.random.default_rng(311)
+    tokens = list(range(1, 9))
+    for how in ("import", "load", "swap"):
+        cache = make(backend, enable_prefix_caching=True)
+        s = cache.add_sequence(token_ids=[])
+        step(cache, [s], [2], rng, token_ids=tokens[:2])
+        cache.append([s], 6, token_ids=tokens[2:])            # stored in no layer yet
+        assert cache.export_sequence(s).token_ids is None
+        target = make(backend, enable_prefix_caching=True)
+        if how == "import":
+            target.import_sequence(cache.export_sequence(s))
+        elif how == "load":
+            cache.save(tmp_path / "open")
+            target.load(tmp_path / "open")
+        else:
+            cache.swap_out(s)
+            cache.swap_in(s)
+            target = cache
+        assert target.seq_len(target.add_sequence(token_ids=tokens + [0])) == 0, how
+
+
 # -- 4. an export is a copy, swapped or not ----------------------------------------------
 
 def test_exporting_a_swapped_sequence_hands_out_a_copy(backend, tmp_path):
