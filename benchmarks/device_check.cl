@@ -9,6 +9,13 @@
  * device's work-group and local-memory limits.
  */
 
+/* dst[i] = value: the source of the measurements, written by a kernel (a fill
+   command's pattern writes confuse Oclgrind's uninitialized-value checker). */
+__kernel void fill_f4(__global float4* dst, const ulong n, const float value) {
+    const ulong i = get_global_id(0);
+    if (i < n) dst[i] = (float4)(value);
+}
+
 /* dst[i] = src[i], one float4 per work-item: consecutive work-items move
    consecutive memory (coalesced on a GPU, vectorised on a CPU). */
 __kernel void copy_f4(__global const float4* src, __global float4* dst, const ulong n) {

@@ -90,6 +90,7 @@ class Sizes:
             self.window, self.window_seq_len, self.repeat = 256, 4096, 5
             # the tiled sgemm suits a GPU; on a CPU the host's BLAS sets the ceiling
             self.cache_multiple, self.max_buffer, self.sgemm_n = 16, 512 << 20, 512
+        self.min_buffer = 16 << 20      # whatever the cache the driver reports
 
     def as_dict(self):
         return dict(vars(self))
@@ -384,9 +385,10 @@ def choose_devices(cl, devices, wanted, report):
 
 
 # -- the device's ceilings ------------------------------------------------------------------
-def _queue(cl, device):
+def _queue(cl, device, context=None):
+    """A profiling queue on ``device`` in ``context`` (default: pagedkv's shared one)."""
     from pagedkv.backends._opencl_device import context_for_device
-    context = context_for_device(device)
+    context = context or context_for_device(device)
     return context, cl.CommandQueue(context, device,
                                     properties=cl.command_queue_properties.PROFILING_ENABLE)
 
@@ -415,25 +417,24 @@ def _group_size(device, kernels, wanted=256):
     return 1 << (max(int(limit), 1).bit_length() - 1)
 
 
-def bandwidth(cl, device, sizes):
+def bandwidth(cl, device, sizes, context=None):
     """Copy, read and ``enqueue_copy`` bandwidth over a buffer many times the cache.
 
     Returns a dict of bytes/s (a copy counts the bytes read and written) and
     the buffer's size."""
-    context, queue = _queue(cl, device)
+    context, queue = _queue(cl, device, context)
     kernels = _program(context, ())
     cache = _info(device, "global_mem_cache_size", 0) or (1 << 20)
-    nbytes = min(max(sizes.cache_multiple * cache, 16 << 20), sizes.max_buffer,
+    nbytes = min(max(sizes.cache_multiple * cache, sizes.min_buffer), sizes.max_buffer,
                  device.max_mem_alloc_size, device.global_mem_size // 4)
-    nbytes -= nbytes % (1 << 20)
+    nbytes -= nbytes % (1 << 16)
     n = nbytes // 16                                    # float4s
     flags = cl.mem_flags
     src = cl.Buffer(context, flags.READ_WRITE, nbytes)
     dst = cl.Buffer(context, flags.READ_WRITE, nbytes)
-    cl.enqueue_fill_buffer(queue, src, np.ones(1, np.float32), 0, nbytes)
-    cl.enqueue_fill_buffer(queue, dst, np.zeros(1, np.float32), 0, nbytes)
-    copy, read = kernels["copy_f4"], kernels["read_f4"]
-    wg = _group_size(device, [copy, read])
+    copy, read, fill = kernels["copy_f4"], kernels["read_f4"], kernels["fill_f4"]
+    wg = _group_size(device, [copy, read, fill])
+    fill(queue, (-(-n // wg) * wg,), (wg,), dst=src, n=n, value=1.0)
     per_item = 16
     read_items = -(-n // (per_item * wg)) * wg     # ceil(n / per_item), in whole groups
     sums = cl.Buffer(context, flags.READ_WRITE, 4 * read_items)
@@ -457,12 +458,13 @@ def bandwidth(cl, device, sizes):
 SGEMM_LAYOUTS = ((64, 4, 16), (32, 4, 16), (32, 2, 16), (16, 2, 16), (8, 2, 8), (8, 8, 8))
 
 
-def sgemm_rate(cl, device, sizes, rng):
+def sgemm_rate(cl, device, sizes, rng, context=None, layouts=None):
     """FLOP/s of ``device_check.cl``'s sgemm on square matrices, in the fastest of the
     layouts that the device's limits take (each tried on a small product
     first: what suits a GPU's work-groups does not suit a CPU's); the result
-    is checked against numpy on some rows."""
-    context, queue = _queue(cl, device)
+    is checked against numpy on some rows.  ``layouts``: those to try (default
+    :data:`SGEMM_LAYOUTS`)."""
+    context, queue = _queue(cl, device, context)
     flags = cl.mem_flags
 
     def product(ts, wpt, tk, n, repeat):
@@ -482,18 +484,18 @@ def sgemm_rate(cl, device, sizes, rng):
                                                    N=n, K=n, A=a_d, B=b_d, C=c_d), repeat)
         c = np.empty_like(a)
         cl.enqueue_copy(queue, c, c_d)
-        rows = np.r_[0:4, n - 4:n]
+        rows = np.unique(np.r_[0:4, n - 4:n])
         expected = a[rows].astype(np.float64) @ b.astype(np.float64)
         if not np.allclose(c[rows], expected, rtol=1e-3, atol=1e-3 * np.sqrt(n)):
             raise RuntimeError(f"sgemm {ts}/{wpt}/{tk}: the product differs from numpy's by up "
                                f"to {np.abs(c[rows] - expected).max():.3g}")
         return {"flops": 2.0 * n ** 3 / t, "n": n, "tile": ts, "per_work_item": wpt, "depth": tk}
 
-    fits = [(ts, wpt, tk) for ts, wpt, tk in SGEMM_LAYOUTS
+    fits = [(ts, wpt, tk) for ts, wpt, tk in layouts or SGEMM_LAYOUTS
             if (ts // wpt) ** 2 <= device.max_work_group_size
             and ts // wpt <= min(device.max_work_item_sizes[:2])
             and 2 * tk * ts * 4 <= device.local_mem_size // 2]
-    trials = [(layout, product(*layout, 256, 2)) for layout in fits]
+    trials = [(layout, product(*layout, min(256, sizes.sgemm_n), 2)) for layout in fits]
     trials = [(layout, r) for layout, r in trials if r is not None]
     if not trials:
         raise RuntimeError("no sgemm layout fits this device's work-group and local-memory limits")
@@ -654,8 +656,6 @@ def attention_cases(sizes, ceilings, report, rng):
     if latent is None:
         plan.append((f"latent decode {B} x {L}, {LATENT_HEADS} heads, float16", "float16",
                      lambda: latent_decode_case(B, L, sizes.repeat, rng)))
-    else:
-        cases.append({"case": "latent decode (MLA)", "skipped": latent})
     for name, dtype, run in plan:
         if report.left() < 30:
             cases.append({"case": name, "skipped": "the time budget is spent"})
@@ -681,6 +681,8 @@ def attention_cases(sizes, ceilings, report, rng):
               f"{result['rate'] / 1e9:.1f} {result['unit']}"
               + (f", {result['ratio']:.2f}x the {result['ceiling']}" if result["ratio"] else "")
               + ("" if result["correct"] else " (WRONG RESULT)"), flush=True)
+    if latent is not None:
+        cases.append({"case": "latent decode (MLA)", "skipped": latent})
     return cases
 
 
@@ -903,27 +905,35 @@ def run_tests(device_index, args, seconds):
            *(["-n", str(workers)] if workers else [])]
     # -P: the checkout's folder must not shadow an installed (non-editable) pagedkv
     rc, out, took = _run(cmd, env=env, cwd=ROOT, timeout=max(seconds, 10))
-    per_test = {}
-    with open(outcomes, encoding="utf-8") as f:
-        for line in f:
-            rec = json.loads(line)
-            state = per_test.setdefault(rec["nodeid"], {"outcome": "passed"})
-            if rec["outcome"] == "failed":
-                state["outcome"] = "failed" if rec["when"] == "call" else "error"
-                state.setdefault("message", rec.get("message", ""))
-            elif rec["outcome"] == "skipped" and state["outcome"] == "passed":
-                state["outcome"] = "skipped"
-                state["message"] = rec.get("message", "")
+    counts, failures = read_outcomes(outcomes)
     os.unlink(outcomes)
-    counts = {k: sum(1 for s in per_test.values() if s["outcome"] == k)
-              for k in ("passed", "failed", "error", "skipped")}
-    failures = [{"test": nodeid, "message": s.get("message", "")[-1200:]}
-                for nodeid, s in per_test.items() if s["outcome"] in ("failed", "error")][:5]
     summary = out.strip().splitlines()[-1:] if out.strip() else []
     return {"command": " ".join(cmd[1:]), "workers": workers, "seconds": round(took, 1),
             "complete": rc != 124, "exit_status": rc, **counts, "first_failures": failures,
             "summary": summary[0] if summary else "",
             "output_tail": out[-2000:] if rc not in (0, 1, 124) else ""}
+
+
+def read_outcomes(path, first=5):
+    """The counts of a ``_test_outcomes`` file (passed, failed, error, skipped: a
+    failure in setup or teardown is an error) and its ``first`` failures."""
+    per_test = {}
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            rec = json.loads(line)
+            state = per_test.setdefault(rec["nodeid"], {"outcome": "passed"})
+            if rec["outcome"] == "failed":
+                if state["outcome"] not in ("failed", "error"):
+                    state["outcome"] = "failed" if rec["when"] == "call" else "error"
+                    state["message"] = rec.get("message", "")
+            elif rec["outcome"] == "skipped" and state["outcome"] == "passed":
+                state["outcome"] = "skipped"
+                state["message"] = rec.get("message", "")
+    counts = {k: sum(1 for s in per_test.values() if s["outcome"] == k)
+              for k in ("passed", "failed", "error", "skipped")}
+    failures = [{"test": nodeid, "message": s.get("message", "")[-1200:]}
+                for nodeid, s in per_test.items() if s["outcome"] in ("failed", "error")][:first]
+    return counts, failures
 
 
 def _has_xdist():
