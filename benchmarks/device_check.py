@@ -176,9 +176,12 @@ def _add_site(site):
 
 
 # -- install ----------------------------------------------------------------------------
+_PYOPENCL_PROBE = "import json, pyopencl; print(json.dumps({'version': pyopencl.VERSION_TEXT}))"
+
+
 def install_pyopencl(args, report):
     """pyopencl from the wheels brought along, when this Python lacks it."""
-    found = _probe("import json, pyopencl; print(json.dumps(pyopencl.VERSION_TEXT))")
+    found = _probe(_PYOPENCL_PROBE)
     if "error" not in found:
         report.data["pyopencl"] = found
         return True
@@ -193,7 +196,7 @@ def install_pyopencl(args, report):
     _add_site(args.site)
     names = ", ".join(os.path.basename(w).split("-")[0] + " " + os.path.basename(w).split("-")[1]
                       for w in wheels)
-    found = _probe("import json, pyopencl; print(json.dumps(pyopencl.VERSION_TEXT))")
+    found = _probe(_PYOPENCL_PROBE)
     ok = rc == 0 and "error" not in found
     report.step(f"pip install --no-index {len(wheels)} wheels into {args.site}", ok, seconds,
                 names if ok else out.strip()[-1500:] or found.get("error", ""))
@@ -376,7 +379,12 @@ def choose_devices(cl, devices, wanted, report):
     if wanted:
         chosen = []
         for entry in filter(None, (e.strip() for e in wanted.split(";"))):
-            chosen += [d for d in _opencl_device.find_devices(entry, "--devices") if d not in chosen]
+            try:
+                found = _opencl_device.find_devices(entry, "--devices")
+            except ValueError as exc:     # names no device: the message lists them all
+                report.skip(f"--devices {entry!r}", str(exc))
+                continue
+            chosen += [d for d in found if d not in chosen]
         return chosen
     real = [d for d in devices if not _opencl_device.is_simulator(cl, d)]
     gpus = [d for d in real if d.type & cl.device_type.GPU]
@@ -1036,8 +1044,8 @@ def render(data):
                        f"{pair['torch_s'] * 1e3:.3f} ms)")
         out.append("")
     if data["skipped"]:
-        out += ["## Skipped", "", fmt_table(["what", "why"], [[s["what"], s["reason"]]
-                                                               for s in data["skipped"]]), ""]
+        out += ["## Skipped", "", fmt_table(["what", "why"], [
+            [s["what"], " ".join(s["reason"].split())] for s in data["skipped"]]), ""]
     return "\n".join(out)
 
 
