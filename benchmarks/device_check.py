@@ -966,6 +966,9 @@ def render(data):
            f"{data.get('mode', '')} run, {data.get('elapsed_s', 0):.0f} s of a {data['budget_s']} s "
            f"budget; Python {data['python']}, pyopencl {data.get('pyopencl', '?')}, pagedkv "
            f"{data.get('pagedkv', {}).get('version', '?')} ({data.get('pagedkv', {}).get('file', '?')})", ""]
+    if data.get("mode") == "quick":
+        out += ["Quick mode: a smoke run of every step at sizes too small (inside the caches, "
+                "dominated by launches) for its figures and ratios to mean anything.", ""]
     if data["install"]:
         out += ["## Install", "", fmt_table(["step", "ok", "s", "detail"], [
             [s["step"], "yes" if s["ok"] else "NO", s["seconds"], s["detail"][:300].replace("\n", " ")]
