@@ -19,8 +19,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-import pagedkv
-
 
 def best_seconds(fn, *, repeat=7, warmup=2):
     """Fastest wall time of ``fn()`` over ``repeat`` runs, after ``warmup`` runs."""
@@ -148,6 +146,7 @@ def read_bandwidth(nbytes=1 << 30, repeat=7):
 def backends_parser(doc):
     """An argument parser that prints ``doc`` (a script's docstring) as its help,
     with ``--backends`` (comma-separated; default: every available one)."""
+    import pagedkv    # here, not at the top: device_check.py renders its tables without it
     parser = argparse.ArgumentParser(description=doc,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--backends", default=",".join(pagedkv.available_backends()),

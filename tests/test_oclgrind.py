@@ -104,12 +104,14 @@ def grind(tmp_path, monkeypatch):
 
 
 LAYOUTS = ["cpu", "gpu"]
-DTYPES = ["float32", "float16", "int8"]
+DTYPES = ["float32", "float16", "bfloat16", "int8"]
 
 
 def harness(cache, **kwargs):
     """The reference harness for the cache's dtype (int8: over the rows it kept)."""
-    return (Int8Harness if cache.dtype.name == "int8" else Harness)(cache, **kwargs)
+    if cache.storage.name == "int8":
+        return Int8Harness(cache, **kwargs)
+    return Harness(cache, dtype=cache.storage.name, **kwargs)   # bfloat16: numpy's is uint16
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -165,8 +167,19 @@ VARIANTS = {
 }
 
 
-@pytest.mark.parametrize("variant", sorted(VARIANTS))
-@pytest.mark.parametrize("dtype", DTYPES)
+# Every variant in the formats whose kernels differ most (float32; float16's
+# half loads and stores; int8's staged dequantizing), chunked attention with
+# ALiBi in every format, and bfloat16's loads and stores: what simulation
+# time allows.
+ATTENTION_CASES = [(dtype, variant) for dtype in ("float32", "float16", "int8")
+                   for variant in sorted(VARIANTS)] + \
+    [(dtype, "chunk_alibi") for dtype in DTYPES] + [("bfloat16", "causal"),
+                                                    ("bfloat16", "soft_cap")]
+VARIANTS["chunk_alibi"] = dict(attention_chunk_size=6,
+                               alibi_slopes=np.array([0.5, 0.25, 0.125, 0.0625]))
+
+
+@pytest.mark.parametrize("dtype,variant", ATTENTION_CASES)
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_attention(grind, layout, dtype, variant):
     # GQA 2, ragged prefill (a partial chunk and partial tiles), then decode and
@@ -213,4 +226,25 @@ def test_stored_rows_move_out_and_back(grind, dtype, head_dim):
     source.swap_in(s)
     for x, y in zip(source.gather(0, s), target.gather(0, t)):
         np.testing.assert_array_equal(x.view(np.uint32), y.view(np.uint32))
+    grind.assert_clean()
+
+
+def test_device_check_kernels(grind):
+    # benchmarks/device_check.cl, the GPU check's ceilings: a fill, a copy, a
+    # read and the sgemm whose tiles a work-group shares in local memory (in
+    # a layout of several work-items and one of a single one), each checking
+    # its own result
+    import sys
+    import pyopencl as cl
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                    "benchmarks"))
+    import device_check
+    sizes = device_check.Sizes("gpu", True)
+    sizes.min_buffer = sizes.max_buffer = 1 << 16
+    sizes.sgemm_n, sizes.repeat = 32, 1
+    ceilings = device_check.bandwidth(cl, DEVICE, sizes, context=grind.context)
+    assert ceilings["buffer_bytes"] == 1 << 16
+    product = device_check.sgemm_rate(cl, DEVICE, sizes, np.random.default_rng(6),
+                                      context=grind.context, layouts=[(16, 2, 16), (8, 8, 8)])
+    assert set(product["layouts_tried"]) == {"16/2/16", "8/8/8"}
     grind.assert_clean()

@@ -415,6 +415,64 @@ def test_layout_kind_follows_the_gpu_bit():
         KernelLayout(device("GPU"), 64, kind="tpu")
 
 
+def test_only_a_pocl_cpu_device_lifts_the_loop_bound():
+    # PoCL on a CPU has no watchdog and no loop limit; PoCL's CUDA device is a
+    # GPU, and forcing the CPU shape on it must not lift its bound
+    cl = pytest.importorskip("pyopencl")
+    from pagedkv.backends._opencl_layout import (MAX_WORK_ITEM_ITERATIONS,
+                                                 POCL_CPU_WORK_ITEM_ITERATIONS, KernelLayout)
+
+    def device(kind, platform_name):
+        class Platform:
+            name = platform_name
+
+        class Fake:
+            type = getattr(cl.device_type, kind)
+            max_work_group_size, max_work_item_sizes = 1024, [1024, 1024, 1024]
+            local_mem_size, name, platform = 49152, "fake", Platform
+        return Fake
+
+    pocl = "Portable Computing Language"
+    assert KernelLayout(device("CPU", pocl), 64).max_work_item_iterations == \
+        POCL_CPU_WORK_ITEM_ITERATIONS
+    for kind in ("cpu", "gpu"):
+        assert KernelLayout(device("GPU", pocl), 64, kind=kind).max_work_item_iterations == \
+            MAX_WORK_ITEM_ITERATIONS
+        assert KernelLayout(device("GPU", "NVIDIA CUDA"), 64, kind=kind) \
+            .max_work_item_iterations == MAX_WORK_ITEM_ITERATIONS
+    assert KernelLayout(device("CPU", "Intel(R) OpenCL"), 64).max_work_item_iterations == \
+        MAX_WORK_ITEM_ITERATIONS
+
+
+#: half arithmetic, which needs cl_khr_fp16 (the control of the test below)
+HALF_ARITHMETIC = ("__kernel void twice(__global half* p, __global float* out) {\n"
+                   "    const half x = p[0];\n    out[0] = (float)(x + x);\n}\n")
+
+
+@needs_opencl
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "int8"])
+def test_kernels_need_no_half_arithmetic(cl_device, dtype):
+    # NVIDIA's OpenCL has no cl_khr_fp16: the kernels may use half only as the
+    # type of a pointer that vload_half / vstore_half read and write.  Built
+    # with the extension disabled, half arithmetic does not compile, also on
+    # a device that has the extension (the control shows that it does not).
+    from pagedkv.backends._opencl_layout import KernelLayout
+    from pagedkv.storage import storage_format
+    disable = "#pragma OPENCL EXTENSION cl_khr_fp16 : disable\n"
+    context = cl.Context([cl_device])
+    try:
+        build_program(context, "half_arithmetic.cl", (), source=disable + HALF_ARITHMETIC)
+        pytest.skip(f"{cl_device.name.strip()} builds half arithmetic even with cl_khr_fp16 "
+                    f"disabled, so it cannot tell")
+    except KernelBuildError:
+        pass
+    for kind in ("cpu", "gpu"):
+        layout = KernelLayout(cl_device, 64, storage_format(dtype, 64), kind=kind)
+        for name, options in (("attention.cl", layout.options()),
+                              ("kv_pages.cl", layout.storage_options())):
+            assert build_program(context, name, options, source=disable + read_source(name))
+
+
 @needs_opencl
 @pytest.mark.parametrize("head_dim,group,rows", [(128, 4, 1), (128, 1, 64), (64, 8, 3),
                                                  (256, 2, 40)])

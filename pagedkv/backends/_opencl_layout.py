@@ -126,7 +126,10 @@ class KernelLayout:
         # so that its loop over parts may be long
         self.merge_work_group_size = _floor_pow2(min(
             overrides.get("merge_work_group_size", max(self.work_group_size, 256)), limit))
-        pocl_cpu = is_cpu and "portable computing language" in \
+        # From what the device is, not the shape asked for: PoCL also drives GPUs
+        # (its CUDA device), whose watchdog the CPU shape does not lift.
+        pocl_cpu = device.type & cl.device_type.CPU and not device.type & cl.device_type.GPU \
+            and "portable computing language" in \
             str(getattr(getattr(device, "platform", None), "name", "")).lower()
         self.max_work_item_iterations = int(overrides.get(
             "max_work_item_iterations",
