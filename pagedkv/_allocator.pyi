@@ -1,4 +1,5 @@
-# Type stub of the compiled module pagedkv/_allocator.pyx.
+# Type stub of the compiled module pagedkv/_allocator.pyx (its attributes are readonly:
+# properties here).
 from typing import Any, Sequence, Union, overload
 
 import numpy as np
@@ -8,12 +9,18 @@ def _as_page_ids(pages: npt.ArrayLike, num_pages: int,
                  name: str = "pages") -> npt.NDArray[np.int32]: ...
 
 class PageAllocator:
-    num_pages: int                  # (readonly, as every attribute here)
-    page_size: int
-    prefix_caching: bool
-    num_evictions: int
-    num_shared_pages: int
-    num_cache_insertions: int
+    @property
+    def num_pages(self) -> int: ...
+    @property
+    def page_size(self) -> int: ...
+    @property
+    def prefix_caching(self) -> bool: ...
+    @property
+    def num_evictions(self) -> int: ...
+    @property
+    def num_shared_pages(self) -> int: ...
+    @property
+    def num_cache_insertions(self) -> int: ...
     def __init__(self, num_pages: int, page_size: int = 1, prefix_caching: bool = False) -> None: ...
     @property
     def num_free(self) -> int: ...
@@ -31,4 +38,6 @@ class PageAllocator:
     @overload
     def refcount(self, pages: Union[int, np.integer[Any]]) -> int: ...
     @overload
-    def refcount(self, pages: Union[npt.NDArray[np.integer[Any]], Sequence[int]]) -> npt.NDArray[np.int32]: ...
+    def refcount(
+        self, pages: Union[npt.NDArray[np.integer[Any]], Sequence[int]]
+    ) -> npt.NDArray[np.int32]: ...

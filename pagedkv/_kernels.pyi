@@ -9,6 +9,7 @@ from typing import Optional, TypedDict
 import numpy as np
 import numpy.typing as npt
 
+# the dict paged_attention converts to its `cdef struct AttentionParams` (no runtime name)
 class AttentionParams(TypedDict):
     heads_per_item: int
     max_rows_per_item: int

@@ -4,7 +4,7 @@ The kernels are those of this CPU's instruction-set level (:mod:`pagedkv._cpu`).
 """
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, List, Optional, Sequence, Tuple
 
 import numpy as np
 
