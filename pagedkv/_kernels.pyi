@@ -4,12 +4,13 @@
 # [num_pages, num_kv_heads, page_size, head_dim] arrays of a storage format's element
 # (float32, float16 as uint16 bits, bfloat16 as int16 bits, int8); scale pools are
 # float32 [num_pages, num_kv_heads, page_size] (1x1x1 placeholders for float formats).
-from typing import Optional, TypedDict
+from typing import Optional, TypedDict, type_check_only
 
 import numpy as np
 import numpy.typing as npt
 
 # the dict paged_attention converts to its `cdef struct AttentionParams` (no runtime name)
+@type_check_only
 class AttentionParams(TypedDict):
     heads_per_item: int
     max_rows_per_item: int
