@@ -33,7 +33,7 @@ released, in the child: releasing them would call into that driver.
 import os
 import threading
 import weakref
-from typing import TYPE_CHECKING, Any, Dict, Union
+from typing import TYPE_CHECKING, Any, Dict
 
 if TYPE_CHECKING:   # annotations only
     from pagedkv._exclusive import Guard
@@ -67,8 +67,8 @@ class OpenCLState:
     """
 
     def __init__(self) -> None:
-        self.unavailable: Union[str, None, object] = UNSET
-        self.preferred: Union[bool, object] = UNSET
+        self.unavailable: object = UNSET     # then None or a str
+        self.preferred: object = UNSET       # then a bool
         self.driver_started = False
         self.contexts: dict = {}
         self.programs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
