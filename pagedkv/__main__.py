@@ -4,6 +4,7 @@ Commands import lazily, so the core never needs their optional dependencies.
 """
 import importlib
 import sys
+from typing import Optional, Sequence
 
 # command -> (module with main(argv) -> int, one-line description)
 COMMANDS = {
@@ -13,7 +14,7 @@ COMMANDS = {
 }
 
 
-def usage():
+def usage() -> str:
     lines = ["usage: python -m pagedkv <command> [options]",
              "       python -m pagedkv --version", "", "commands:"]
     lines += [f"  {name:<8}{description}" for name, (_, description) in COMMANDS.items()]
@@ -21,7 +22,7 @@ def usage():
     return "\n".join(lines)
 
 
-def main(argv=None):
+def main(argv: Optional[Sequence[str]] = None) -> int:
     """Dispatch to a command; return its exit status."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv or argv[0] in ("-h", "--help"):

@@ -9,6 +9,7 @@ type's module, and torch is used only when the caller already imported it.
 """
 import operator
 import sys
+from typing import Any
 
 import numpy as np
 
@@ -23,13 +24,13 @@ FLOAT_DTYPES = frozenset(np.dtype(t) for t in (np.float16, np.float32, np.float6
 _INTERPRETER_ERRORS = (MemoryError, RecursionError)
 
 
-def is_torch_tensor(x):
+def is_torch_tensor(x: Any) -> bool:
     """Whether ``x`` is a torch tensor (without importing torch)."""
     torch = sys.modules.get("torch")
     return torch is not None and isinstance(x, torch.Tensor)
 
 
-def array_or_as_given(name, x):
+def array_or_as_given(name: str, x: Any) -> Any:
     """``x`` as an ndarray when it is a torch tensor or a ``__dlpack__`` object, else ``x``.
 
     For arguments that also take plain sequences (``sinks``): lists, tuples
@@ -40,7 +41,7 @@ def array_or_as_given(name, x):
     return to_numpy(name, x)
 
 
-def to_numpy(name, x):
+def to_numpy(name: str, x: Any) -> np.ndarray:
     """``x`` (ndarray, torch CPU tensor or a CPU ``__dlpack__`` object) as an ndarray.
 
     Raises

@@ -1,12 +1,14 @@
 """What this pagedkv runs with, for bug reports: ``pagedkv.show_config()``."""
 import platform
 import sys
+from types import ModuleType
+from typing import Dict, Optional, TextIO
 
 from pagedkv import _cpu
 from pagedkv._version import __version__
 
 
-def _openmp_text(kernels):
+def _openmp_text(kernels: ModuleType) -> str:
     version = getattr(kernels, "OPENMP_VERSION", 0)
     if not version:
         return "off (the compiler had no OpenMP: the host kernels run serially)"
@@ -15,7 +17,7 @@ def _openmp_text(kernels):
             f"(the cores this process may run on, capped by OMP_NUM_THREADS)")
 
 
-def _opencl_text():
+def _opencl_text() -> str:
     from pagedkv.backends import _opencl_device
     reason = _opencl_device.unavailable_reason()
     if reason is not None:
@@ -23,7 +25,7 @@ def _opencl_text():
     return "devices (platform:device):\n" + _opencl_device.describe_devices()
 
 
-def _auto_backend_text():
+def _auto_backend_text() -> str:
     from pagedkv.backends import resolve_backend
     try:
         return resolve_backend("auto")
@@ -31,7 +33,7 @@ def _auto_backend_text():
         return f"none ({exc})"
 
 
-def config():
+def config() -> Dict[str, str]:
     """What :func:`show_config` prints, as a dict of str.
 
     Returns
@@ -58,7 +60,7 @@ def config():
     }
 
 
-def show_config(file=None):
+def show_config(file: Optional[TextIO] = None) -> None:
     """Print the version, the host kernels' CPU level, OpenMP and threads, and the OpenCL devices.
 
     Parameters

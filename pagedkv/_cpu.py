@@ -22,9 +22,12 @@ import os
 import platform
 import struct
 import warnings
+from types import ModuleType
+from typing import (TYPE_CHECKING, Callable, Collection, FrozenSet, List, Optional, Sequence,
+                    Tuple)
 
 from pagedkv import _cpuid
-from pagedkv._levels import levels_for, target_arch
+from pagedkv._levels import Level, levels_for, target_arch
 
 ENV_VAR = "PAGEDKV_CPU_LEVEL"
 
@@ -44,12 +47,14 @@ _XCR0_AVX = 0x6        # SSE and AVX (YMM) state
 _XCR0_AVX512 = 0xE6    # ... and opmask, ZMM0-15 upper halves, ZMM16-31
 
 
-def host_arch():
+def host_arch() -> str:
     """The architecture this interpreter runs (a :func:`pagedkv._levels.target_arch` name)."""
     return target_arch(platform.machine(), struct.calcsize("P"))
 
 
-def decode_x86_features(cpuid, xcr0, sysctl_int=lambda name: None):
+def decode_x86_features(
+        cpuid: Callable[[int, int], Optional[Tuple[int, int, int, int]]], xcr0: int,
+        sysctl_int: Callable[[str], Optional[int]] = lambda name: None) -> FrozenSet[str]:
     """CPU feature names from the x86 registers.
 
     Parameters
@@ -84,7 +89,7 @@ def decode_x86_features(cpuid, xcr0, sysctl_int=lambda name: None):
     return frozenset(found)
 
 
-def cpu_features():
+def cpu_features() -> FrozenSet[str]:
     """The features of the CPU this process runs on (empty off x86).
 
     Returns
@@ -97,7 +102,8 @@ def cpu_features():
     return decode_x86_features(_cpuid.cpuid, _cpuid.xcr0(), _cpuid.sysctl_int)
 
 
-def choose_level(levels, features, built, requested=None):
+def choose_level(levels: Sequence[Level], features: FrozenSet[str], built: Collection[str],
+                 requested: Optional[str] = None) -> Tuple[Level, List[str]]:
     """The level to run, and why.
 
     Parameters
@@ -155,12 +161,12 @@ def choose_level(levels, features, built, requested=None):
     return chosen, notes
 
 
-def module_name(level_name):
+def module_name(level_name: str) -> str:
     """The module that holds the kernels of a level: ``pagedkv._kernels_<level>``."""
     return f"pagedkv._kernels_{level_name}"
 
 
-def _built(levels):
+def _built(levels: Sequence[Level]) -> List[str]:
     return [level.name for level in levels
             if importlib.util.find_spec(module_name(level.name)) is not None]
 
@@ -175,7 +181,7 @@ BUILT = tuple(_built(LEVELS))
 REQUESTED = os.environ.get(ENV_VAR, "").strip()
 
 
-def _load():
+def _load() -> Tuple[Level, ModuleType]:
     chosen, notes = choose_level(LEVELS, FEATURES, BUILT, REQUESTED)
     for note in notes:
         warnings.warn(note, RuntimeWarning, stacklevel=2)
@@ -183,4 +189,9 @@ def _load():
 
 
 #: The chosen level (a :class:`pagedkv._levels.Level`), and its kernel module.
-level, kernels = _load()
+if TYPE_CHECKING:
+    # every level's module has the interface that pagedkv/_kernels.pyi describes
+    from pagedkv import _kernels as kernels
+    level: Level
+else:
+    level, kernels = _load()

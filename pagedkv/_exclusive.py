@@ -11,29 +11,32 @@ step.  In a ``fork()``ed child every lock starts free (the fork hook in
 """
 import functools
 import threading
+from typing import Any, Callable, Optional, TypeVar, cast
 
 from pagedkv import _process
 from pagedkv.errors import ReentrantCallError
+
+_Method = TypeVar("_Method", bound=Callable[..., Any])
 
 
 class Guard:
     """The lock of one cache, and which thread holds it."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._owner = None
+        self._owner: Optional[int] = None
         _process.track_guard(self)
 
-    def _reset(self):
+    def _reset(self) -> None:
         """A free lock, in a forked child (another thread of the parent may have held it)."""
         self._lock = threading.Lock()
         self._owner = None
 
 
-def exclusive(method):
+def exclusive(method: _Method) -> _Method:
     """Run ``method`` (of an object with a ``_guard``) under its cache's lock."""
     @functools.wraps(method)
-    def wrapper(self, *args, **kwargs):
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
         guard = self._guard
         me = threading.get_ident()
         if guard._owner == me:
@@ -46,5 +49,5 @@ def exclusive(method):
                 return method(self, *args, **kwargs)
             finally:
                 guard._owner = None
-    return wrapper
+    return cast(_Method, wrapper)
 

@@ -62,7 +62,7 @@ LEVELS = {
 _OTHER = (Level("baseline", "the compiler's default for this architecture", (), frozenset()),)
 
 
-def normalize_arch(machine):
+def normalize_arch(machine: str) -> str:
     """The ``LEVELS`` key of a machine name (``platform.machine()``, a platform tag's tail).
 
     ``"AMD64"`` and ``"x86_64"`` are ``"x86_64"``, ``"arm64"`` and ``"aarch64"``
@@ -76,7 +76,7 @@ def normalize_arch(machine):
     return machine
 
 
-def target_arch(machine, pointer_bytes):
+def target_arch(machine: str, pointer_bytes: int) -> str:
     """The ``LEVELS`` key of code built for ``machine`` with pointers of ``pointer_bytes``.
 
     A 32-bit build on a 64-bit machine (``platform.machine()`` names the
@@ -88,7 +88,7 @@ def target_arch(machine, pointer_bytes):
     return arch
 
 
-def levels_for(arch):
+def levels_for(arch: str) -> Tuple[Level, ...]:
     """The levels of architecture ``arch`` (a ``normalize_arch`` name), lowest first.
 
     Returns

@@ -6,17 +6,18 @@ driver crashes, when the pages get written.  The limit is the smallest of the
 physical memory, the cgroup (container) limit and the address-space rlimit.
 """
 import os
+from typing import List, Optional, Tuple
 
 _CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max",                    # cgroup v2
                   "/sys/fs/cgroup/memory/memory.limit_in_bytes")  # cgroup v1
 
 
-def memory_limit():
+def memory_limit() -> Tuple[Optional[int], Optional[str]]:
     """``(bytes, what)``: the most memory this process can still allocate, and what limits it.
 
     ``(None, None)`` where nothing can be read (then nothing is refused).
     """
-    limits = []
+    limits: List[Tuple[int, str]] = []
     try:
         limits.append((os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
                        "physical memory"))
@@ -42,7 +43,7 @@ def memory_limit():
     return min(limits) if limits else (None, None)
 
 
-def check_fits(nbytes, what):
+def check_fits(nbytes: int, what: str) -> None:
     """Raise ``MemoryError`` naming ``what`` if ``nbytes`` exceed :func:`memory_limit`."""
     limit, name = memory_limit()
     if limit is not None and nbytes > limit:

@@ -33,6 +33,10 @@ released, in the child: releasing them would call into that driver.
 import os
 import threading
 import weakref
+from typing import TYPE_CHECKING, Any, Dict
+
+if TYPE_CHECKING:   # annotations only
+    from pagedkv._exclusive import Guard
 
 FORKED_CHILD_REASON = (
     "this process was fork()ed from one that had already started its OpenCL driver, and "
@@ -62,15 +66,15 @@ class OpenCLState:
         Held while building or looking up a program.
     """
 
-    def __init__(self):
-        self.unavailable = UNSET
-        self.preferred = UNSET
+    def __init__(self) -> None:
+        self.unavailable: object = UNSET     # then None or a str
+        self.preferred: object = UNSET       # then a bool
         self.driver_started = False
         self.contexts: dict = {}
         self.programs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.lock = threading.Lock()
 
-    def programs_for(self, context):
+    def programs_for(self, context: Any) -> Dict[Any, Any]:
         """The program cache of ``context``, ``{(name, options, text): kernels}``; call
         under :attr:`lock`."""
         return self.programs.setdefault(context, {})
@@ -83,18 +87,18 @@ _guards: weakref.WeakSet = weakref.WeakSet()   # every cache's Guard (pagedkv._e
 _inherited: list = []   # a child's parent-made OpenCL objects, never released (see above)
 
 
-def in_forked_child():
+def in_forked_child() -> bool:
     """Whether this process is a ``fork()``ed child (of a process that imported pagedkv)."""
     return _forked_child
 
 
-def track_guard(guard):
+def track_guard(guard: "Guard") -> None:
     """Give ``guard`` (a cache's lock, :class:`pagedkv._exclusive.Guard`) a fresh lock in a
     forked child; held weakly."""
     _guards.add(guard)
 
 
-def clear_caches():
+def clear_caches() -> None:
     """Drop the cached OpenCL contexts and built programs of this process.
 
     For tests, and for an engine that moves to another device: caches made
@@ -108,7 +112,7 @@ def clear_caches():
         opencl.programs.clear()
 
 
-def _after_fork_in_child():
+def _after_fork_in_child() -> None:
     """Reset what a forked child must not inherit (see the module docstring)."""
     global _forked_child
     _forked_child = True

@@ -24,17 +24,26 @@ and would be read often enough without cascade to cover the second call and
 the merge; measured per backend (docs/cascade.md).
 """
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from pagedkv.backends.base import StepTables
 from pagedkv.backends.schedule import KeyCut
 
+if TYPE_CHECKING:   # annotations only: importing them here would be circular
+    from pagedkv.attention_spec import AttentionSpec, Band
+    from pagedkv.backends.base import Backend
+    from pagedkv.storage import StorageFormat
+
+#: A group of :func:`find_groups`: (members, lo, hi).
+Group = Tuple[np.ndarray, int, int]
+
 #: The values of ``PagedKVCache(cascade=...)``.
 MODES = ("auto", "off")
 
 
-def check_mode(value):
+def check_mode(value: Any) -> str:
     """``value`` if it is one of :data:`MODES`, else ValueError naming ``cascade``."""
     if not isinstance(value, str) or value not in MODES:
         raise ValueError(f"cascade: expected one of {', '.join(repr(m) for m in MODES)}, "
@@ -115,7 +124,7 @@ class CascadePlan:
     sharing: Sharing
 
 
-def _first_index(flags, starts, ends):
+def _first_index(flags: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
     """Per segment ``starts[i]:ends[i]`` of ``flags``, the offset of its first
     True (the segment's length when none)."""
     lengths = ends - starts
@@ -128,12 +137,13 @@ def _first_index(flags, starts, ends):
     return np.where(first < 0, lengths, first)
 
 
-def key_bytes(storage, num_kv_heads, head_dim):
+def key_bytes(storage: "StorageFormat", num_kv_heads: int, head_dim: int) -> int:
     """Bytes of one position's K and V in one layer (every KV head, scales included)."""
     return 2 * num_kv_heads * storage.row_bytes(head_dim)
 
 
-def find_groups(tables, page_size, band, policy, bytes_per_key):
+def find_groups(tables: StepTables, page_size: int, band: "Optional[Band]",
+                policy: CascadePolicy, bytes_per_key: int) -> List[Group]:
     """The groups of a step's sequences that read shared keys once.
 
     Parameters
@@ -224,13 +234,14 @@ def find_groups(tables, page_size, band, policy, bytes_per_key):
             for g in np.flatnonzero(keep)]
 
 
-def _sharing_of(groups):
+def _sharing_of(groups: Sequence[Group]) -> Sharing:
     return Sharing(len(groups), sum(len(m) for m, _, _ in groups),
                    sum(hi - lo for _, lo, hi in groups),
                    sum((hi - lo) * (len(m) - 1) for m, lo, hi in groups))
 
 
-def plan_cascade(tables, groups, page_size, prepare_step):
+def plan_cascade(tables: StepTables, groups: Sequence[Group], page_size: int,
+                 prepare_step: Callable[[StepTables], None]) -> Optional[CascadePlan]:
     """The cascade plan of a step, or None when no group pays.
 
     ``groups``: :func:`find_groups` of the step; ``prepare_step(tables)``: the
@@ -275,7 +286,8 @@ def plan_cascade(tables, groups, page_size, prepare_step):
     return CascadePlan(rows, shared, own, np.concatenate(shift), _sharing_of(groups))
 
 
-def merge_lse(out, lse, rows, shared_out, shared_lse, sinks):
+def merge_lse(out: np.ndarray, lse: np.ndarray, rows: np.ndarray, shared_out: np.ndarray,
+              shared_lse: np.ndarray, sinks: Optional[np.ndarray]) -> None:
     """Merge the own call's results with the shared call's, in place.
 
     Parameters
@@ -318,17 +330,17 @@ class CascadeAttention:
     """A backend's attention that reads shared runs once where the backend's
     ``cascade_policy`` finds they pay (``enabled``: ``cascade="auto"``)."""
 
-    def __init__(self, backend, enabled):
+    def __init__(self, backend: "Backend", enabled: bool):
         self.backend = backend
         self.enabled = enabled
         self.key_bytes = key_bytes(backend.storage, backend.num_kv_heads, backend.head_dim)
 
     @property
-    def policy(self):
+    def policy(self) -> Optional[CascadePolicy]:
         """The :class:`CascadePolicy` in force, or None (``cascade="off"``)."""
         return self.backend.cascade_policy if self.enabled else None
 
-    def groups(self, tables, band):
+    def groups(self, tables: StepTables, band: "Optional[Band]") -> List[Group]:
         """:func:`find_groups` of a step's ``tables`` for ``band`` under the policy
         in force, searched once per step and band (attention's plan and
         ``StepBatch.sharing`` both read it)."""
@@ -339,22 +351,24 @@ class CascadeAttention:
             lambda t, _, b: find_groups(t, self.backend.page_size, b, policy, self.key_bytes),
             None, band, kind="cascade groups")
 
-    def sharing(self, tables):
+    def sharing(self, tables: StepTables) -> Sharing:
         """The :class:`Sharing` of a step's ``tables`` (causal attention)."""
         return _sharing_of(self.groups(tables, None))
 
-    def _plan(self, tables, num_heads, band):
+    def _plan(self, tables: StepTables, num_heads: int,
+              band: "Optional[Band]") -> Optional[CascadePlan]:
         return plan_cascade(tables, self.groups(tables, band), self.backend.page_size,
                             self.backend.prepare_step)
 
-    def plan(self, tables, q, spec):
+    def plan(self, tables: StepTables, q: Any, spec: "AttentionSpec") -> Optional[CascadePlan]:
         """The step's :class:`CascadePlan` for ``q`` and ``spec`` (made once per
         step, head count and band), or None: one ordinary call."""
         if self.policy is None or self.backend.is_native(q):
             return None   # a device array stays on the device: no gather on the host
         return tables.plan(self._plan, q.shape[1], spec.band, kind="cascade")
 
-    def __call__(self, layer, tables, q, spec, out=None):
+    def __call__(self, layer: int, tables: StepTables, q: Any, spec: "AttentionSpec",
+                 out: Optional[np.ndarray] = None) -> Any:
         """``backend.attention(layer, tables, q, spec, out=out)``, by cascade where planned."""
         backend = self.backend
         plan = self.plan(tables, q, spec)

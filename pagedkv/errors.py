@@ -8,7 +8,7 @@ class OutOfPagesError(MemoryError):
 class UnknownSequenceError(KeyError):
     """A sequence id that the cache does not hold (never added, or freed)."""
 
-    def __str__(self):  # KeyError would repr() the message and quote it
+    def __str__(self) -> str:  # KeyError would repr() the message and quote it
         return str(self.args[0]) if self.args else ""
 
 

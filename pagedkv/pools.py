@@ -20,12 +20,17 @@ The page tables themselves (``pagedkv._page_table.PageTables``) keep each
 sequence's page list in every pool; the managers read them.
 """
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Optional, Sequence, Tuple
 
 import numpy as np
 
+from pagedkv._protocols import PageAllocatorLike, PageTablesLike
+
 if TYPE_CHECKING:   # annotations only
+    from pagedkv._page_table import AppendTables, PoolTables
     from pagedkv.attention_spec import AttentionSpec
+    from pagedkv.backends.base import StepTables
+    from pagedkv.step import StepBatch
 
 FULL = "full"
 SLIDING_WINDOW = "sliding_window"
@@ -102,7 +107,7 @@ class PoolManager:
     #: whether the page tables keep this pool's pages in their window lists
     in_window_lists = False
 
-    def __init__(self, spec: PoolSpec, allocator: Any, tables: Any):
+    def __init__(self, spec: PoolSpec, allocator: PageAllocatorLike, tables: PageTablesLike):
         self.spec = spec
         self.allocator = allocator
         self.tables = tables
@@ -129,20 +134,22 @@ class PoolManager:
         or ValueError when ``spec`` asks for more than the pool keeps."""
         raise NotImplementedError
 
-    def step_tables(self, batch: Any) -> Any:
+    def step_tables(self, batch: "StepBatch") -> "StepTables":
         """The :class:`~pagedkv.backends.base.StepTables` the kernels of this pool's
         layers read for ``batch`` (a StepBatch)."""
         raise NotImplementedError
 
-    def copies(self, tables: Any) -> Tuple[np.ndarray, np.ndarray]:
+    def copies(self, tables: "AppendTables") -> Tuple[np.ndarray, np.ndarray]:
         """The (source, destination) pages, int32 [num_copies] each, that an
         ``append`` (whose result is the AppendTables ``tables``) copies in this pool."""
         pool_tables = self.pool_tables(tables)
         return pool_tables.copy_src, pool_tables.copy_dst
 
-    def pool_tables(self, tables: Any) -> Any:
+    def pool_tables(self, tables: "AppendTables") -> "PoolTables":
         """This pool's ``PoolTables`` in an ``append``'s AppendTables ``tables``."""
-        return tables.window if self.in_window_lists else tables.full
+        pool_tables = tables.window if self.in_window_lists else tables.full
+        assert pool_tables is not None      # a window manager exists only with a window pool
+        return pool_tables
 
     def import_start(self, start: int) -> int:
         """The first position this pool holds of an imported sequence whose window
@@ -156,13 +163,14 @@ class FullAttentionManager(PoolManager):
     def held_from(self, seq_id: int) -> int:
         return 0
 
-    def layer_spec(self, layer, spec, window):
+    def layer_spec(self, layer: int, spec: "AttentionSpec",
+                   window: Optional[int]) -> "AttentionSpec":
         return spec
 
-    def step_tables(self, batch):
+    def step_tables(self, batch: "StepBatch") -> "StepTables":
         return batch._tables
 
-    def import_start(self, start):
+    def import_start(self, start: int) -> int:
         return 0
 
 
@@ -175,22 +183,26 @@ class SlidingWindowManager(PoolManager):
     def held_from(self, seq_id: int) -> int:
         return self.tables.window_held_from(seq_id)
 
-    def layer_spec(self, layer, spec, window):
+    def layer_spec(self, layer: int, spec: "AttentionSpec",
+                   window: Optional[int]) -> "AttentionSpec":
+        assert window is not None           # a sliding-window layer's own window
         if spec.sliding_window is not None and spec.sliding_window > window:
             raise ValueError(f"sliding_window: layer {layer} keeps only a window of "
                              f"{window} positions, got {spec.sliding_window}")
         return spec.with_window(window)
 
-    def step_tables(self, batch):
+    def step_tables(self, batch: "StepBatch") -> "StepTables":
+        assert batch._window_tables is not None     # made whenever a layer is windowed
         return batch._window_tables
 
-    def import_start(self, start):
+    def import_start(self, start: int) -> int:
         return start
 
 
 MANAGERS = {FULL: FullAttentionManager, SLIDING_WINDOW: SlidingWindowManager}
 
 
-def manager_for(spec: PoolSpec, allocator: Any, tables: Any) -> PoolManager:
+def manager_for(spec: PoolSpec, allocator: PageAllocatorLike,
+                tables: PageTablesLike) -> PoolManager:
     """The manager of the pool ``spec`` (by its attention type)."""
     return MANAGERS[spec.attention](spec, allocator, tables)

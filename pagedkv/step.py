@@ -1,8 +1,17 @@
 """``StepBatch``: the slots and page tables of one ``append`` step, as an engine sees them."""
+from typing import TYPE_CHECKING, Dict, Optional, Set
+
+import numpy as np
+
 from pagedkv.backends.base import StepTables
 
+if TYPE_CHECKING:   # annotations only: importing them here would be circular
+    from pagedkv._page_table import AppendTables
+    from pagedkv.cache import PagedKVCache
+    from pagedkv.cascade import Sharing
 
-def _frozen(array):
+
+def _frozen(array: np.ndarray) -> np.ndarray:
     array.setflags(write=False)
     return array
 
@@ -14,11 +23,11 @@ class _ReadOnlyTables:
     make ``store`` or ``attention`` touch other memory.
     """
 
-    def __init__(self, private):
+    def __init__(self, private: Dict[str, np.ndarray]):
         self._private = private
-        self._public = {}
+        self._public: Dict[str, np.ndarray] = {}
 
-    def _view(self, name):
+    def _view(self, name: str) -> np.ndarray:
         if name not in self._public:
             self._public[name] = _frozen(self._private[name].copy())
         return self._public[name]
@@ -80,7 +89,8 @@ class StepBatch(_ReadOnlyTables):
     step before the next of those calls.
     """
 
-    def __init__(self, cache, generation, seq_ids, tables):
+    def __init__(self, cache: "PagedKVCache", generation: int, seq_ids: np.ndarray,
+                 tables: "AppendTables"):
         private = {name: _frozen(getattr(tables, name))
                    for name in ("query_start", "seq_lens", "page_indptr", "last_page_len")}
         for name in ("slot_mapping", "page_indices", "block_table"):
@@ -89,7 +99,7 @@ class StepBatch(_ReadOnlyTables):
         super().__init__(private)
         self._cache = cache
         self._generation = generation
-        self._stored_layers = set()
+        self._stored_layers: Set[int] = set()
         p = private
         # a page of the step with two holders would have to be on the allocator's
         # count now: nothing makes two sequences of the step share one later
@@ -97,9 +107,11 @@ class StepBatch(_ReadOnlyTables):
         self._tables = StepTables(p["query_start"], p["seq_lens"], p["slot_mapping"],
                                   p["page_indptr"], p["page_indices"],
                                   may_share=cache._allocator.num_shared_pages > 0)
-        self.window_tables = None
-        self._window_tables = None
+        self.window_tables: Optional[WindowTables] = None
+        self._window_tables: Optional[StepTables] = None
         if tables.window is not None:
+            window_allocator = cache._window_allocator
+            assert window_allocator is not None     # a window pool's tables come with its pages
             window = {"page_indptr": p["page_indptr"], "last_page_len": p["last_page_len"]}
             for name in ("slot_mapping", "page_indices", "block_table"):
                 window[name] = _frozen(getattr(tables.window, name))
@@ -107,14 +119,14 @@ class StepBatch(_ReadOnlyTables):
             self._window_tables = StepTables(
                 p["query_start"], p["seq_lens"], window["slot_mapping"], p["page_indptr"],
                 window["page_indices"],
-                may_share=cache._window_allocator.num_shared_pages > 0)
+                may_share=window_allocator.num_shared_pages > 0)
 
     seq_ids = property(lambda self: self._view("seq_ids"))
     query_start = property(lambda self: self._view("query_start"))
     seq_lens = property(lambda self: self._view("seq_lens"))
 
     @property
-    def sharing(self):
+    def sharing(self) -> "Sharing":
         """What the step's sequences share, as attention reads it: a
         :class:`pagedkv.cascade.Sharing` (groups of sequences, key positions
         read once per group, reads saved per layer and KV head) for the
@@ -123,14 +135,14 @@ class StepBatch(_ReadOnlyTables):
         return self._cache._attend.sharing(self._tables)
 
     @property
-    def num_seqs(self):
+    def num_seqs(self) -> int:
         """B, the sequences in the step."""
         return len(self._private["seq_ids"])
 
     @property
-    def num_tokens(self):
+    def num_tokens(self) -> int:
         """total_new, the new tokens of the step."""
         return len(self._private["slot_mapping"])
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"StepBatch(num_seqs={self.num_seqs}, num_tokens={self.num_tokens})"

@@ -63,17 +63,17 @@ class PoolPart(NamedTuple):
     row_shape: Tuple[int, ...]
 
     @property
-    def argument(self):
+    def argument(self) -> str:
         """The kernels' argument name of this pool (``k_pool``, ``k_scales``, ...)."""
         return self.field + "_pool" if self.field in ("k", "v") else self.field
 
     @property
-    def row_elements(self):
+    def row_elements(self) -> int:
         """Elements of one row."""
         return int(np.prod(self.row_shape, dtype=np.int64))
 
     @property
-    def row_bytes(self):
+    def row_bytes(self) -> int:
         """Bytes of one row."""
         return self.row_elements * self.dtype.itemsize
 
@@ -113,7 +113,7 @@ class OpenCLKernels(NamedTuple):
     staged_only: bool
     exact_division: bool
 
-    def items_per_row(self, head_dim, vector_width):
+    def items_per_row(self, head_dim: int, vector_width: int) -> int:
         """Work-items of ``scatter`` and ``gather`` per stored row."""
         return 1 if self.whole_rows else head_dim // vector_width
 
@@ -148,18 +148,18 @@ class StorageFormat:
     rotation_block: int = 0
 
     @property
-    def rotation_scale(self):
+    def rotation_scale(self) -> float:
         """``1 / sqrt(rotation_block)`` as float32: what makes the transform orthonormal."""
         return float(np.float32(1.0) / np.sqrt(np.float32(self.rotation_block))) \
             if self.rotation_block else 1.0
 
     @property
-    def rotation(self):
+    def rotation(self) -> Tuple[int, float]:
         """The host kernels' ``(rotation_block, rotation_scale)``: ``(0, 1.0)`` for rows
         stored unrotated, which the kernels then leave as they are."""
         return self.rotation_block, self.rotation_scale
 
-    def copy_set(self, head_dim):
+    def copy_set(self, head_dim: int) -> Tuple[PoolPart, ...]:
         """The pools of one layer, as :class:`PoolPart` in :class:`StoredRows` order:
         K and V values, then (int8) K and V row scales."""
         values = (head_dim,)
@@ -171,12 +171,12 @@ class StorageFormat:
         return tuple(parts)
 
     @property
-    def fields(self):
+    def fields(self) -> Tuple[str, ...]:
         """The :class:`StoredRows` fields of the copy set, in its order."""
         return tuple(part.field for part in self.copy_set(1))
 
     @property
-    def opencl_kernels(self):
+    def opencl_kernels(self) -> OpenCLKernels:
         """The :class:`OpenCLKernels` of this format."""
         if self.scaled:
             return OpenCLKernels("scatter_kv_int8", "gather_kv_int8",
@@ -186,15 +186,15 @@ class StorageFormat:
         return OpenCLKernels("scatter_kv", "gather_kv", (), whole_rows=False,
                              fused_store=True, staged_only=False, exact_division=False)
 
-    def row_bytes(self, head_dim):
+    def row_bytes(self, head_dim: int) -> int:
         """Bytes of one stored row: values, plus its scale."""
         return sum(part.row_bytes for part in self.copy_set(head_dim)) // 2
 
-    def page_bytes(self, num_kv_heads, page_size, head_dim):
+    def page_bytes(self, num_kv_heads: int, page_size: int, head_dim: int) -> int:
         """Bytes of one page of one pool (K or V) of one layer."""
         return num_kv_heads * page_size * self.row_bytes(head_dim)
 
-    def opencl_options(self, exact_division=False):
+    def opencl_options(self, exact_division: bool = False) -> Tuple[str, ...]:
         """Build options of ``opencl/pkv_common.h`` for this format; ``exact_division``:
         the device divides correctly rounded when asked (``OpenCLKernels.exact_division``)."""
         options = [f"-DPKV_STORAGE={self.kind}"]
@@ -207,7 +207,7 @@ class StorageFormat:
         return tuple(options)
 
 
-def rotation_block(head_dim):
+def rotation_block(head_dim: int) -> int:
     """The Hadamard block of int8 rows: the largest power of two dividing ``head_dim``
     (at most 256); 1 (no rotation) for an odd ``head_dim``."""
     block = 1
@@ -216,7 +216,7 @@ def rotation_block(head_dim):
     return block
 
 
-def storage_format(name, head_dim, rotate=True):
+def storage_format(name: str, head_dim: int, rotate: bool = True) -> StorageFormat:
     """The :class:`StorageFormat` called ``name`` for rows of ``head_dim`` values.
 
     Raises

@@ -8,8 +8,12 @@ only matters to the backend that needs it.
 """
 import importlib
 import os
+from typing import TYPE_CHECKING, Any, List, Optional, Type
 
 from pagedkv.errors import BackendUnavailableError
+
+if TYPE_CHECKING:   # annotations only: backends are imported lazily
+    from pagedkv.backends.base import Backend
 
 # name -> "module:Class"; "auto" tries them in this order and takes the first that
 # can run here and suits it (see ``Backend.suits_auto``).
@@ -20,7 +24,7 @@ _REGISTRY = {
 _AUTO_ORDER = ("opencl", "host")
 
 
-def backend_class(name):
+def backend_class(name: Any) -> "Type[Backend]":
     """The backend class registered as ``name``.
 
     Raises
@@ -40,7 +44,7 @@ def backend_class(name):
     return getattr(module, class_name)
 
 
-def unavailable_reason(name):
+def unavailable_reason(name: str) -> Optional[str]:
     """None if backend ``name`` can run here, else a message saying how to fix it."""
     try:
         return backend_class(name).unavailable_reason()
@@ -48,12 +52,12 @@ def unavailable_reason(name):
         return str(exc)
 
 
-def available_backends():
+def available_backends() -> List[str]:
     """Names of the backends usable on this machine, e.g. ``["host", "opencl"]``."""
     return [name for name in ("host", "opencl") if unavailable_reason(name) is None]
 
 
-def resolve_backend(name):
+def resolve_backend(name: Any) -> str:
     """Turn ``"auto"`` (or the ``PAGEDKV_BACKEND`` override) into a concrete backend name."""
     if name == "auto":
         name = os.environ.get("PAGEDKV_BACKEND", "auto") or "auto"

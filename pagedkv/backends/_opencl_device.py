@@ -20,9 +20,14 @@ pyopencl is imported lazily everywhere here, so this module imports (and
 """
 import os
 import re
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, List, Optional, Tuple, cast
 
 from pagedkv import _process
 from pagedkv.errors import ArgumentTypeError, BackendUnavailableError
+
+if TYPE_CHECKING:   # annotations only: pyopencl is imported lazily
+    import pyopencl
 
 INSTALL_HINT = ('pip install "pagedkv[opencl]" (pyopencl plus the PoCL CPU driver), or install '
                 'a system OpenCL driver (ICD) such as Debian\'s pocl-opencl-icd or your GPU '
@@ -32,7 +37,7 @@ INSTALL_HINT = ('pip install "pagedkv[opencl]" (pyopencl plus the PoCL CPU drive
 FORKED_CHILD_REASON = _process.FORKED_CHILD_REASON
 
 
-def unavailable_reason():
+def unavailable_reason() -> Optional[str]:
     """None if pyopencl imports and sees at least one device; else why not and how to fix it.
 
     The answer is cached for the process (``reset_availability_cache`` forgets it).
@@ -40,10 +45,10 @@ def unavailable_reason():
     state = _process.opencl
     if state.unavailable is _process.UNSET:
         state.unavailable = _probe()
-    return state.unavailable
+    return cast(Optional[str], state.unavailable)     # worked out: None or a str
 
 
-def has_preferred_device():
+def has_preferred_device() -> bool:
     """Whether ``backend="auto"`` should take opencl (call only when it is available).
 
     Yes when ``$PAGEDKV_DEVICE`` or ``$PYOPENCL_CTX`` names a device, or when a
@@ -60,10 +65,10 @@ def has_preferred_device():
         import pyopencl as cl
         state.preferred = any(_preference(cl, device) < _KINDS.index("CPU")
                               for _, _, device in _all_devices(cl))
-    return state.preferred
+    return cast(bool, state.preferred)     # worked out: a bool
 
 
-def reset_availability_cache():
+def reset_availability_cache() -> None:
     """Forget the cached answers above (for tests that fake a driver); a forked child's
     refusal stays."""
     state = _process.opencl
@@ -71,7 +76,7 @@ def reset_availability_cache():
         state.unavailable = state.preferred = _process.UNSET
 
 
-def _probe():
+def _probe() -> Optional[str]:
     try:
         import pyopencl as cl
     except Exception as exc:  # ImportError, or a broken binary install (OSError, ...)
@@ -85,10 +90,10 @@ def _probe():
     return None
 
 
-def _all_devices(cl):
+def _all_devices(cl: ModuleType) -> "List[Tuple[int, int, pyopencl.Device]]":
     """[(platform_index, device_index, Device)] over every platform."""
     _process.opencl.driver_started = True
-    found: list[tuple] = []
+    found: "List[Tuple[int, int, pyopencl.Device]]" = []
     for p, platform in enumerate(cl.get_platforms()):
         try:
             devices = platform.get_devices()
@@ -98,7 +103,7 @@ def _all_devices(cl):
     return found
 
 
-def describe_devices():
+def describe_devices() -> str:
     """One line per device: ``"P:D  platform / device (type)"``, for error messages."""
     import pyopencl as cl
     try:
@@ -111,7 +116,7 @@ def describe_devices():
                      for p, d, dev in devices)
 
 
-def device_label(device):
+def device_label(device: "pyopencl.Device") -> str:
     """``"platform / device [platform version]"``: what a device name is matched against."""
     platform = device.platform
     return f"{platform.name.strip()} / {device.name.strip()} [{platform.version.strip()}]"
@@ -120,23 +125,23 @@ def device_label(device):
 _KINDS = ("GPU", "ACCELERATOR", "CPU")
 
 
-def _kinds(cl, device):
+def _kinds(cl: ModuleType, device: "pyopencl.Device") -> List[str]:
     """The kinds among GPU, accelerator and CPU that ``device`` claims."""
     return [kind for kind in _KINDS if device.type & getattr(cl.device_type, kind)]
 
 
-def is_simulator(cl, device):
+def is_simulator(cl: ModuleType, device: "pyopencl.Device") -> bool:
     """Whether ``device`` claims several kinds at once, as simulators do (Oclgrind)."""
     return len(_kinds(cl, device)) > 1
 
 
-def _preference(cl, device):
+def _preference(cl: ModuleType, device: "pyopencl.Device") -> int:
     """Sort key of the automatic choice: a GPU, an accelerator, a CPU, then the rest."""
     kinds = _kinds(cl, device)
     return _KINDS.index(kinds[0]) if len(kinds) == 1 else len(_KINDS)
 
 
-def _kind(cl, device):
+def _kind(cl: ModuleType, device: "pyopencl.Device") -> str:
     kinds = _kinds(cl, device)
     return "+".join(k if k != "ACCELERATOR" else "accelerator" for k in kinds) or "other"
 
@@ -144,7 +149,7 @@ def _kind(cl, device):
 _INDEX = re.compile(r"\s*(\d+)\s*:\s*(\d+)\s*")
 
 
-def find_device(text, what):
+def find_device(text: str, what: str) -> "pyopencl.Device":
     """The Device that ``text`` names: ``"P:D"``, ``"name:TEXT"`` or a name ``TEXT``.
 
     A name matches a device whose platform name, platform version or device
@@ -160,7 +165,7 @@ def find_device(text, what):
     return find_devices(text, what)[0]
 
 
-def find_devices(text, what):
+def find_devices(text: str, what: str) -> "List[pyopencl.Device]":
     """Every Device that ``text`` names, in platform and device order; see :func:`find_device`."""
     import pyopencl as cl
     devices = _all_devices(cl)
@@ -187,7 +192,7 @@ def find_devices(text, what):
     return found
 
 
-def device_index(device):
+def device_index(device: "pyopencl.Device") -> str:
     """The ``"P:D"`` string of ``device`` in this process's platform and device order."""
     import pyopencl as cl
     for p, d, dev in _all_devices(cl):
@@ -196,7 +201,7 @@ def device_index(device):
     raise ValueError(f"device: {device_label(device)} is not among the devices pyopencl lists")
 
 
-def context_for_device(device):
+def context_for_device(device: "pyopencl.Device") -> "pyopencl.Context":
     """A Context on ``device``, shared by every backend on it (programs are cached per context).
 
     Held for the process until ``pagedkv._process.clear_caches()``.
@@ -210,7 +215,7 @@ def context_for_device(device):
     return context
 
 
-def select_device(device=None):
+def select_device(device: Any = None) -> "Tuple[pyopencl.Context, pyopencl.Device]":
     """The ``(Context, Device)`` the backend runs on; see the module docstring for the rules.
 
     Parameters

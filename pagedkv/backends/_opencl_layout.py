@@ -7,8 +7,18 @@ in local memory.  Nothing is fixed: a device with a smaller work-group limit
 or less local memory gets smaller values (down to 1), not a failure.
 """
 import functools
+from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple, Union
 
 import numpy as np
+import numpy.typing as npt
+
+if TYPE_CHECKING:   # annotations only: pyopencl is imported lazily
+    import pyopencl
+
+    from pagedkv.storage import StorageFormat
+
+# an int64 array, or one int (numpy's scalar when it comes out of an array operation)
+_Ints = Union[int, np.integer, np.ndarray]
 
 #: Most loop iterations one work-item may run for one attention work item or
 #: merge, summed over every loop (unrolled loops do not count).  llvmpipe
@@ -22,11 +32,11 @@ MAX_WORK_ITEM_ITERATIONS = 1 << 15
 POCL_CPU_WORK_ITEM_ITERATIONS = 1 << 18
 
 
-def _floor_pow2(n):
+def _floor_pow2(n: Any) -> int:
     return 1 << (max(int(n), 1).bit_length() - 1)
 
 
-def _fit(wanted, total):
+def _fit(wanted: Any, total: int) -> int:
     """The largest divisor of ``total`` that is at most ``wanted``."""
     return max(d for d in range(1, min(max(int(wanted), 1), total) + 1) if total % d == 0)
 
@@ -85,7 +95,8 @@ class KernelLayout:
                    "merge_work_group_size", "max_work_item_iterations", "local_memory",
                    "count_loops")
 
-    def __init__(self, device, head_dim, storage=None, **overrides):
+    def __init__(self, device: "pyopencl.Device", head_dim: int,
+                 storage: "Optional[StorageFormat]" = None, **overrides: Any):
         import pyopencl as cl
         from pagedkv.storage import storage_format
         self.storage = storage_format("float32", head_dim) if storage is None else storage
@@ -151,7 +162,8 @@ class KernelLayout:
         self.count_loops = bool(overrides.get("count_loops", False))
         self._device_name = device.name.strip()
 
-    def smaller_for_local_memory(self, overrides, used, first_chunk):
+    def smaller_for_local_memory(self, overrides: Dict[str, Any], used: int,
+                                 first_chunk: int) -> Dict[str, Any]:
         """The overrides of the next smaller layout, for a built kernel that uses
         ``used`` bytes of local memory, more than ``local_memory``.
 
@@ -176,12 +188,13 @@ class KernelLayout:
                          f"kernel, whose smallest layout takes {used}")
 
     # -- bounded work per work-item -----------------------------------------------
-    def _per_item(self, n, width=None):
+    def _per_item(self, n: npt.ArrayLike, width: Optional[int] = None) -> np.ndarray:
         """Iterations of a loop that shares ``n`` things out over a work-group."""
         width = width or self.work_group_size
         return -(-np.asarray(n, dtype=np.int64) // width)
 
-    def attention_iterations(self, num_queries, num_keys):
+    def attention_iterations(self, num_queries: npt.ArrayLike,
+                             num_keys: npt.ArrayLike) -> "_Ints":
         """Loop iterations of the busiest work-item of one attention work item.
 
         A model of ``paged_attention``'s loops (``opencl/attention.cl``),
@@ -211,14 +224,14 @@ class KernelLayout:
         epilogue = out_loop + self._per_item(nq)
         return prologue + chunks * per_chunk + epilogue
 
-    def merge_iterations(self, num_queries, num_parts):
+    def merge_iterations(self, num_queries: npt.ArrayLike, num_parts: npt.ArrayLike) -> "_Ints":
         """Loop iterations of the busiest work-item of ``merge_partials`` for one segment."""
         vectors = self.head_dim // self.vector_width
         elements = self._per_item(np.asarray(num_queries, np.int64) * vectors,
                                   self.merge_work_group_size)
         return elements * (1 + 2 * np.asarray(num_parts, dtype=np.int64))
 
-    def max_item_keys(self, num_queries):
+    def max_item_keys(self, num_queries: "_Ints") -> "_Ints":
         """Most keys one attention work item of ``num_queries`` queries may cover.
 
         A multiple of ``chunk`` (at least one chunk) whose
@@ -227,7 +240,7 @@ class KernelLayout:
         """
         return self._limits[0][num_queries]
 
-    def max_parts(self, num_queries):
+    def max_parts(self, num_queries: "_Ints") -> "_Ints":
         """Most split-K parts one merge of ``num_queries`` queries may combine (at least 2).
 
         ``num_queries`` as for :meth:`max_item_keys`.
@@ -235,7 +248,7 @@ class KernelLayout:
         return self._limits[1][num_queries]
 
     @functools.cached_property
-    def _limits(self):
+    def _limits(self) -> Tuple[np.ndarray, np.ndarray]:
         """:meth:`max_item_keys` and :meth:`max_parts` of every query count a
         work-group can hold, as two lookup tables: every step plans with them,
         and their models cost a dozen numpy calls each."""
@@ -250,17 +263,17 @@ class KernelLayout:
         return item_keys, parts
 
     @property
-    def split(self):
+    def split(self) -> int:
         """Work-items that share the copy of one staged row: a divisor of its vectors."""
         vectors = self.head_dim // self.vector_width
         return max(s for s in range(1, min(vectors, self.work_group_size) + 1) if vectors % s == 0)
 
     @property
-    def softmax_width(self):
+    def softmax_width(self) -> int:
         """Keys the softmax step handles at once (float8 when the chunk allows)."""
         return 8 if self.chunk % 8 == 0 else 1
 
-    def options(self):
+    def options(self) -> Tuple[str, ...]:
         """Build options of ``opencl/attention.cl``."""
         return self.storage_options() + (
             f"-DPKV_WG={self.work_group_size}", f"-DPKV_NQ={self.max_queries}",
@@ -276,10 +289,10 @@ class KernelLayout:
             # and computes wrong rows); the results must not depend on it.
             "-cl-mad-enable")
 
-    def storage_options(self):
+    def storage_options(self) -> Tuple[str, ...]:
         """Build options of ``opencl/pkv_common.h`` (all that ``kv_pages.cl`` needs)."""
         return self.storage.opencl_options(self.exact_division) + (
             f"-DPKV_HEAD_DIM={self.head_dim}", f"-DPKV_VW={self.vector_width}")
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return "KernelLayout(" + ", ".join(f"{k}={v}" for k, v in vars(self).items()) + ")"

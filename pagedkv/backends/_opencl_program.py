@@ -12,15 +12,22 @@ argument positions.
 """
 import re
 import threading
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple, Type
 
 import numpy as np
 
 from pagedkv import _process
 from pagedkv.backends.kernel_source import read_source
 
+if TYPE_CHECKING:   # annotations only: pyopencl is imported lazily
+    import pyopencl
+
+#: A kernel's arguments: (name, numpy scalar type, or None for a buffer).
+Signature = List[Tuple[str, Optional[Type[np.generic]]]]
+
 _KERNEL = re.compile(r"__kernel\s+(?:__attribute__\(\(.*?\)\)\s*)?void\s+(\w+)\s*\((.*?)\)\s*\{",
                      re.DOTALL)
-_SCALARS = {"int": np.int32, "uint": np.uint32, "long": np.int64, "ulong": np.uint64,
+_SCALARS: Dict[str, Type[np.generic]] = {"int": np.int32, "uint": np.uint32, "long": np.int64, "ulong": np.uint64,
             "float": np.float32}
 
 
@@ -28,7 +35,7 @@ class KernelBuildError(RuntimeError):
     """An OpenCL program failed to build; the message names the file, options and log."""
 
 
-def kernel_signatures(text):
+def kernel_signatures(text: str) -> Dict[str, Signature]:
     """``{kernel name: [(argument name, numpy scalar type or None for a buffer)]}``.
 
     Parses the ``__kernel void name(...)`` signatures of a program's text;
@@ -37,7 +44,7 @@ def kernel_signatures(text):
     text = re.sub(r"/\*.*?\*/", "", text, flags=re.DOTALL)
     signatures = {}
     for name, arg_list in _KERNEL.findall(text):
-        args = []
+        args: Signature = []
         for arg in arg_list.split(","):
             words = arg.replace("*", " * ").split()
             pointer = "*" in words
@@ -63,7 +70,7 @@ class KernelCall:
     each other's arguments.
     """
 
-    def __init__(self, program, name, signature):
+    def __init__(self, program: "pyopencl.Program", name: str, signature: Signature):
         import pyopencl as cl
         self._cl = cl
         self.name = name
@@ -76,7 +83,10 @@ class KernelCall:
         self.kernel.set_scalar_arg_dtypes([dtype for _, dtype in signature])
         self._lock = threading.Lock()
 
-    def __call__(self, queue, global_size, local_size, *, wait_for=None, **args):
+    def __call__(self, queue: "pyopencl.CommandQueue", global_size: Tuple[int, ...],
+                 local_size: Optional[Tuple[int, ...]], *,
+                 wait_for: "Optional[Sequence[pyopencl.Event]]" = None,
+                 **args: Any) -> "pyopencl.Event":
         try:
             values = [args[name] for name in self.arg_names]
         except KeyError:
@@ -94,19 +104,20 @@ class KernelCall:
             return self._cl.enqueue_nd_range_kernel(queue, self.kernel, global_size, local_size,
                                                     wait_for=wait_for or None)
 
-    def local_memory(self, device):
+    def local_memory(self, device: "pyopencl.Device") -> int:
         """Bytes of local memory one work-group of this kernel takes on ``device``
         (the driver's count, ``CL_KERNEL_LOCAL_MEM_SIZE``)."""
         return self.kernel.get_work_group_info(
             self._cl.kernel_work_group_info.LOCAL_MEM_SIZE, device)
 
-    def work_group_limit(self, device):
+    def work_group_limit(self, device: "pyopencl.Device") -> int:
         """The most work-items per work-group this kernel allows on ``device``."""
         return self.kernel.get_work_group_info(
             self._cl.kernel_work_group_info.WORK_GROUP_SIZE, device)
 
 
-def build_program(context, name, options, source=None):
+def build_program(context: "pyopencl.Context", name: str, options: Sequence[str],
+                  source: Optional[str] = None) -> Dict[str, KernelCall]:
     """The program ``name`` (a ``.cl`` file) built for ``context`` with ``options``, memoized.
 
     The memo lives in :mod:`pagedkv._process`, keyed weakly by ``context``:

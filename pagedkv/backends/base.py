@@ -13,13 +13,16 @@ backend may assume well-formed input:
 """
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional, Sequence, Tuple, TypeVar
 
 import numpy as np
 
 if TYPE_CHECKING:   # annotations only: importing them here would be circular
-    from pagedkv.attention_spec import AttentionSpec
+    from pagedkv.attention_spec import AttentionSpec, Band
     from pagedkv.storage import StorageFormat
+
+_Plan = TypeVar("_Plan")
+_Heads = TypeVar("_Heads", bound=Optional[int])
 
 
 @dataclass(eq=False)
@@ -55,10 +58,11 @@ class StepTables:
     _plans: dict = field(default_factory=dict, repr=False)
 
     @property
-    def num_tokens(self):
+    def num_tokens(self) -> int:
         return len(self.slot_mapping)
 
-    def plan(self, make_plan, num_heads, band, kind="kernels"):
+    def plan(self, make_plan: "Callable[[StepTables, _Heads, Optional[Band]], _Plan]",
+             num_heads: _Heads, band: "Optional[Band]", kind: str = "kernels") -> _Plan:
         """The attention plan of this step for a query-head count and band.
 
         ``band``: an :class:`pagedkv.attention_spec.Band`, or None (causal).
@@ -105,10 +109,17 @@ class Backend(ABC):
     array_types : tuple of type
         The backend's own array types that ``store`` and ``attention`` take as
         they are (numpy arrays and CPU tensors are converted by the facade).
+    storage : StorageFormat
+    num_kv_heads, head_dim, page_size : int
+        What the constructor was given.
     """
 
     name: Optional[str] = None
     array_types: tuple = ()
+    storage: "StorageFormat"
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
 
     @classmethod
     @abstractmethod

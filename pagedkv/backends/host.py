@@ -4,14 +4,20 @@ The kernels are those of this CPU's instruction-set level (:mod:`pagedkv._cpu`).
 """
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from pagedkv import _process, _rows
 from pagedkv._cpu import kernels as _kernels
-from pagedkv.backends.base import Backend, empty_rows
+from pagedkv.backends.base import Backend, StepTables, StoredRows, empty_rows
 from pagedkv.backends.schedule import ITEM, plan_attention
 from pagedkv.cascade import CascadePolicy
+
+if TYPE_CHECKING:   # annotations only (_kernels.pyi describes every level's module)
+    from pagedkv._kernels import AttentionParams
+    from pagedkv.attention_spec import AttentionSpec, Band
+    from pagedkv.storage import StorageFormat
 
 # Query rows x query heads of one item: 64 query vectors of head_dim floats
 # keep the accumulator in L1/L2 while a K/V page streams past.
@@ -45,7 +51,7 @@ class _HostPlan:
     num_threads: int
 
 
-def _max_threads():
+def _max_threads() -> int:
     """Cores this process may use, capped by ``OMP_NUM_THREADS`` when set."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
         os.cpu_count() or 1
@@ -61,11 +67,11 @@ def _max_threads():
 # this process is such a child.
 
 
-def _threads_for(work, max_threads):
+def _threads_for(work: int, max_threads: int) -> int:
     return max_threads if work >= _PARALLEL_MIN_WORK else 1
 
 
-def _fork_safe(num_threads):
+def _fork_safe(num_threads: int) -> int:
     """The OpenMP threads a kernel may use in this process."""
     return 1 if _process.in_forked_child() else num_threads
 
@@ -78,11 +84,12 @@ class HostBackend(Backend):
     cascade_policy = CascadePolicy(min_run_bytes=32 << 20, min_shared_keys=256, max_rows=8)
 
     @classmethod
-    def unavailable_reason(cls):
+    def unavailable_reason(cls) -> Optional[str]:
         return None
 
-    def __init__(self, *, num_kv_heads, head_dim, layer_pages, page_size, storage, device=None,
-                 options=None):
+    def __init__(self, *, num_kv_heads: int, head_dim: int, layer_pages: Sequence[int],
+                 page_size: int, storage: "StorageFormat", device: Any = None,
+                 options: Optional[dict] = None):
         if device is not None:
             raise ValueError(f"device: the host backend takes no device, got {device!r}")
         if options:
@@ -106,33 +113,35 @@ class HostBackend(Backend):
         self.num_threads = _max_threads()
 
     @property
-    def memory_bytes(self):
+    def memory_bytes(self) -> int:
         return sum(pool.nbytes for pools in self._pools for pool in pools.values())
 
     @staticmethod
-    def _host_f32(x):
+    def _host_f32(x: Any) -> np.ndarray:
         return np.ascontiguousarray(x, dtype=np.float32)
 
-    def prepare_step(self, tables):
+    def prepare_step(self, tables: StepTables) -> None:
         pass  # the tables are host arrays already
 
-    def copy_pages(self, src, dst, layers):
+    def copy_pages(self, src: np.ndarray, dst: np.ndarray, layers: Sequence[int]) -> None:
         for layer in layers:
             for pool in self._pools[layer].values():
                 pool[dst] = pool[src]
 
-    def store(self, layer, tables, k, v):
+    def store(self, layer: int, tables: StepTables, k: Any, v: Any) -> None:
         k, v = self._host_f32(k), self._host_f32(v)
         _kernels.scatter(self._k[layer], self._v[layer], self._k_scales[layer],
                          self._v_scales[layer], tables.slot_mapping, k, v,
                          *self.storage.rotation,
                          _fork_safe(_threads_for(k.size, self.num_threads)))
 
-    def attention(self, layer, tables, q, spec, out=None, lse=None):
+    def attention(self, layer: int, tables: StepTables, q: Any, spec: "AttentionSpec",
+                  out: Optional[np.ndarray] = None,
+                  lse: Optional[np.ndarray] = None) -> np.ndarray:
         q = self._host_f32(q)
         plan = tables.plan(self._plan, q.shape[1], spec.band)
         out = np.empty_like(q) if out is None else out
-        params = dict(heads_per_item=plan.heads_per_item, max_rows_per_item=plan.max_rows,
+        params: "AttentionParams" = dict(heads_per_item=plan.heads_per_item, max_rows_per_item=plan.max_rows,
                       scale=spec.scale, soft_cap=spec.logits_soft_cap or 0.0,
                       rotation_block=self.storage.rotation_block,
                       rotation_scale=self.storage.rotation_scale,
@@ -144,7 +153,7 @@ class HostBackend(Backend):
             sinks=spec.sinks, out=out, params=params, bias_slopes=spec.alibi_slopes, lse=lse)
         return out
 
-    def _plan(self, tables, num_heads, band):
+    def _plan(self, tables: StepTables, num_heads: int, band: "Optional[Band]") -> _HostPlan:
         """Work items for one step, reused by every layer.
 
         An item covers as many KV heads as the query budget allows while the
@@ -185,7 +194,8 @@ class HostBackend(Backend):
         return _HostPlan(items, item_offsets, heads_per_item, int(rows.max(initial=0)),
                          _threads_for(work, threads))
 
-    def _block_rows(self, num_rows, group, rows_per_block, threads):
+    def _block_rows(self, num_rows: np.ndarray, group: int, rows_per_block: int,
+                    threads: int) -> int:
         """Query rows per item when the rows are many (block path): as many as
         L2 holds, halved while the items would be too few for ``threads``."""
         most = max(rows_per_block, _BLOCK_ITEM_FLOATS // (2 * self.head_dim * group))
@@ -195,7 +205,7 @@ class HostBackend(Backend):
             most = max(rows_per_block, most // 2)
         return most
 
-    def gather(self, layer, slots):
+    def gather(self, layer: int, slots: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
         shape = (len(slots), self.num_kv_heads, self.head_dim)
         k = np.empty(shape, dtype=np.float32)
         v = np.empty(shape, dtype=np.float32)
@@ -205,20 +215,22 @@ class HostBackend(Backend):
         _kernels.gather(self._v[layer], self._v_scales[layer], slots, v, *rotation, threads)
         return k, v
 
-    def _row_pools(self, layer):
+    def _row_pools(self, layer: int) -> List[np.ndarray]:
         """The layer's copy set as ``[pages, H, page_size, row]`` arrays, in
         :class:`StoredRows` order (a scale is a row of one float)."""
         return [pool.reshape(pool.shape[:3] + (-1,)) for pool in self._pools[layer].values()]
 
-    def read_rows(self, layer, slots, out=None):
+    def read_rows(self, layer: int, slots: np.ndarray,
+                  out: Optional[StoredRows] = None) -> StoredRows:
         if out is None:
             out = empty_rows(self.storage, len(slots), self.num_kv_heads, self.head_dim)
         for pool, rows in zip(self._row_pools(layer), out):
+            assert rows is not None     # zip stops at the copy set's end, before absent scales
             rows = rows.view(pool.dtype).reshape(len(slots), self.num_kv_heads, pool.shape[3])
             _rows.read_rows(_as_bytes(pool), slots, _as_bytes(rows))
         return out
 
-    def write_rows(self, layer, slots, rows):
+    def write_rows(self, layer: int, slots: np.ndarray, rows: StoredRows) -> None:
         given = [getattr(rows, part.field) for part in self._copy_set]
         for pool, x in zip(self._row_pools(layer), given):
             x = np.ascontiguousarray(x).view(pool.dtype).reshape(len(slots), self.num_kv_heads,
@@ -226,18 +238,19 @@ class HostBackend(Backend):
             _rows.write_rows(_as_bytes(pool), slots, _as_bytes(x))
 
 
-def _no_scales():
+def _no_scales() -> np.ndarray:
     """The scale pool the kernels take for a format without scales (never read)."""
     return np.zeros((1, 1, 1), np.float32)
 
 
-def _as_bytes(x):
+def _as_bytes(x: np.ndarray) -> np.ndarray:
     """A C-contiguous array viewed as uint8, its last axis widened to bytes:
     [..., n] -> [..., n * itemsize] (a view: writes reach ``x``)."""
     return x.view(np.uint8)
 
 
-def decode_rows(storage, values, scales=None):
+def decode_rows(storage: "StorageFormat", values: np.ndarray,
+                scales: Optional[np.ndarray] = None) -> np.ndarray:
     """Stored rows as float32, exactly as ``gather`` of a host pool in ``storage`` returns them.
 
     Parameters

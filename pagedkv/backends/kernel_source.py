@@ -10,13 +10,21 @@ for Python, Cython and OpenCL C.
 """
 import importlib.resources
 import re
+import sys
 from pathlib import Path
 from types import SimpleNamespace
+from typing import TYPE_CHECKING, List, Optional
+
+if TYPE_CHECKING:   # annotations only
+    if sys.version_info >= (3, 11):
+        from importlib.resources.abc import Traversable
+    else:
+        from importlib.abc import Traversable
 
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([\w.]+)"\s*$', re.MULTILINE)
 
 
-def source_dir():
+def source_dir() -> "Traversable":
     """The directory (a Traversable) holding the ``.cl`` and ``.h`` files."""
     try:
         installed = importlib.resources.files("pagedkv.opencl")
@@ -27,7 +35,7 @@ def source_dir():
     return Path(__file__).resolve().parents[2] / "opencl"
 
 
-def read_source(name, directory=None):
+def read_source(name: str, directory: "Optional[Traversable]" = None) -> str:
     """The text of ``name`` with its ``#include "..."`` lines expanded (each once).
 
     ``#line`` directives keep compiler messages pointing at the original files.
@@ -35,7 +43,7 @@ def read_source(name, directory=None):
     directory = source_dir() if directory is None else directory
     seen = set()
 
-    def expand(file_name):
+    def expand(file_name: str) -> str:
         if file_name in seen:
             return ""
         seen.add(file_name)
@@ -53,7 +61,7 @@ def read_source(name, directory=None):
     return expand(name)
 
 
-def _header_list(file_name, macro):
+def _header_list(file_name: str, macro: str) -> List[str]:
     """The entries of ``#define <macro>(X) ...`` in a kernel header: ``X(NAME)``
     gives ``NAME``, ``OTHER(X)`` the entries of ``OTHER`` (``#define OTHER(X) ...``
     in this header or in one it includes)."""
@@ -66,13 +74,13 @@ def _header_list(file_name, macro):
             except RuntimeError:
                 pass
         raise RuntimeError(f"{file_name} has no '#define {macro}(X) ...' line")
-    names: list = []
+    names: List[str] = []
     for name, nested in re.findall(r"\bX\((\w+)\)|\b(\w+)\(X\)", line.group(1)):
         names.extend([name] if name else _header_list(file_name, nested))
     return names
 
 
-def header_table(file_name, macro):
+def header_table(file_name: str, macro: str) -> SimpleNamespace:
     """The ``X(NAME)`` list of ``#define <macro>(X) ...`` in a kernel header (nested
     lists ``OTHER(X)`` expanded): a namespace ``NAME -> index``, with ``COUNT`` the
     list's length."""
@@ -80,13 +88,13 @@ def header_table(file_name, macro):
     return SimpleNamespace(COUNT=len(names), **{n: i for i, n in enumerate(names)})
 
 
-def work_item_fields():
+def work_item_fields() -> SimpleNamespace:
     """The work-item columns of ``pkv_work_item.h`` (the band's from ``pkv_variant.h``),
     e.g. ``W.KEY0``; ``W.COUNT`` columns."""
     return header_table("pkv_work_item.h", "PKV_WORK_ITEM")
 
 
-def storage_kinds():
+def storage_kinds() -> SimpleNamespace:
     """The storage formats of ``pkv_storage.h`` (``#define PKV_STORAGE_<NAME> <number>``
     lines), e.g. ``S.INT8``, the number the kernels know the format by."""
     text = source_dir().joinpath("pkv_storage.h").read_text(encoding="utf-8")

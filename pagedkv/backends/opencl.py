@@ -16,15 +16,17 @@ the pool, so even a corrupt table cannot make it touch memory out of bounds.
 """
 import functools
 import os
-from typing import Any, NamedTuple
+from typing import (TYPE_CHECKING, Any, Dict, List, NamedTuple, Optional, Sequence, Tuple,
+                    Union, cast)
 
 import numpy as np
+import numpy.typing as npt
 
 from pagedkv.backends._opencl_device import (FORKED_CHILD_REASON, has_preferred_device,
                                               select_device, unavailable_reason)
 from pagedkv.backends._opencl_layout import KernelLayout, _floor_pow2
 from pagedkv.backends._opencl_program import build_program
-from pagedkv.backends.base import Backend, empty_rows
+from pagedkv.backends.base import Backend, StepTables, StoredRows, empty_rows
 from pagedkv.backends.schedule import ITEM, plan_attention
 from pagedkv.cascade import CascadePolicy
 from pagedkv.errors import ArgumentTypeError, BackendUnavailableError
@@ -33,6 +35,17 @@ try:  # for array_types only; the rest imports pyopencl when a backend is made
     import pyopencl.array as _cl_array
 except Exception:  # pyopencl missing or broken: unavailable_reason() says how to fix it
     _cl_array = None  # type: ignore[assignment]
+
+if TYPE_CHECKING:   # annotations only: pyopencl is imported when a backend is made
+    import pyopencl
+    import pyopencl.array
+
+    from pagedkv.backends._opencl_program import KernelCall
+    from pagedkv.attention_spec import AttentionSpec, Band
+    from pagedkv.storage import StorageFormat
+
+    # float32 device memory a kernel reads: a private buffer, or the caller's array
+    _DeviceMemory = Union[pyopencl.Buffer, pyopencl.array.Array]
 
 # Split-K parts never shorter than this many keys: below it the merge costs
 # more than the parallelism gains.
@@ -71,7 +84,8 @@ class _Plan:
         queries per item (at least one slot; a buffer cannot be empty).
     """
 
-    def __init__(self, backend, tables, num_heads, band):
+    def __init__(self, backend: "OpenCLBackend", tables: StepTables, num_heads: int,
+                 band: "Optional[Band]"):
         layout = backend.layout
         full_group = num_heads // backend.num_kv_heads
         self.group = max(g for g in range(1, min(full_group, layout.max_queries) + 1)
@@ -100,7 +114,7 @@ class _Plan:
         self.num_partial_floats = max(self.num_parts, 1) * layout.max_queries
 
 
-def _buffer_holding(context, host):
+def _buffer_holding(context: "pyopencl.Context", host: np.ndarray) -> "pyopencl.Buffer":
     """A new buffer in ``context`` created holding the bytes of ndarray ``host``.
 
     ``COPY_HOST_PTR``: the driver copies the data as it creates the buffer,
@@ -113,7 +127,7 @@ def _buffer_holding(context, host):
                      hostbuf=host)
 
 
-def _zeroed_buffer(context, nbytes):
+def _zeroed_buffer(context: "pyopencl.Context", nbytes: int) -> "pyopencl.Buffer":
     """A new zeroed buffer of ``nbytes`` in ``context``; as a pyopencl allocator,
     what the backend's arrays allocate with.
 
@@ -146,7 +160,8 @@ class _PendingStore:
 
     __slots__ = ("layer", "tables", "k", "v")
 
-    def __init__(self, layer, tables, k, v):
+    def __init__(self, layer: int, tables: StepTables, k: "_DeviceMemory",
+                 v: "_DeviceMemory"):
         self.layer, self.tables, self.k, self.v = layer, tables, k, v
 
 
@@ -177,15 +192,16 @@ class OpenCLBackend(Backend):
     array_types = (_cl_array.Array,) if _cl_array is not None else ()
 
     @classmethod
-    def unavailable_reason(cls):
+    def unavailable_reason(cls) -> Optional[str]:
         return unavailable_reason()
 
     @classmethod
-    def suits_auto(cls):
+    def suits_auto(cls) -> bool:
         return has_preferred_device()
 
-    def __init__(self, *, num_kv_heads, head_dim, layer_pages, page_size, storage, device=None,
-                 options=None):
+    def __init__(self, *, num_kv_heads: int, head_dim: int, layer_pages: Sequence[int],
+                 page_size: int, storage: "StorageFormat", device: Any = None,
+                 options: Optional[dict] = None):
         layout_overrides = self._check_options(options)
         reason = unavailable_reason()
         if reason is not None:
@@ -222,16 +238,16 @@ class OpenCLBackend(Backend):
         self._build_kernels(layout_overrides)
         # buffers cannot be empty: what a kernel gets for sinks or scales it does not use
         self._placeholder = self._upload(np.zeros(1, np.float32))
-        self._last_events = None
+        self._last_events: "Optional[List[pyopencl.Event]]" = None
         #: count_loops layouts: (attention, merge) loop iterations of each work-item
         #: of the last attention call (int32 arrays; merge None when it ran none)
-        self.last_loop_counts = None
-        self._pending = None   # a _PendingStore
-        self._work = {}        # name -> reusable buffer (_work_buffer)
+        self.last_loop_counts: Optional[Tuple[np.ndarray, Optional[np.ndarray]]] = None
+        self._pending: Optional[_PendingStore] = None
+        self._work: "Dict[str, pyopencl.Buffer]" = {}   # name -> reusable buffer (_work_buffer)
         # per layer, a buffer per pool of the format's copy set (values, and row
         # scales where the format has them), by field
         self._copy_set = storage.copy_set(head_dim)
-        self._pools: list = []
+        self._pools: "List[Dict[str, pyopencl.Buffer]]" = []
         try:
             for pages in layer_pages:
                 pools = {}
@@ -252,7 +268,7 @@ class OpenCLBackend(Backend):
         self._v_scales = [pools["v_scales"] for pools in self._pools if "v_scales" in pools]
 
     @staticmethod
-    def _check_options(options):
+    def _check_options(options: Any) -> Dict[str, Any]:
         """The ``layout`` overrides of ``backend_options`` (see ``PagedKVCache``)."""
         if options is None:
             return {}
@@ -267,13 +283,13 @@ class OpenCLBackend(Backend):
                              f"{sorted(KernelLayout.OVERRIDABLE)}, got {layout!r}")
         return dict(layout)
 
-    def _build_kernels(self, overrides):
+    def _build_kernels(self, overrides: Dict[str, Any]) -> None:
         """Build (or fetch from the cache) both programs and keep their kernels.
 
         The attention kernel's local memory is what the driver counts for the
         built kernel: a layout that takes more than its budget is rebuilt
         smaller (``KernelLayout.smaller_for_local_memory``)."""
-        first_chunk = None
+        first_chunk: Optional[int] = None
         while True:
             self.layout = KernelLayout(self.device, self.head_dim, self.storage, **overrides)
             first_chunk = self.layout.chunk if first_chunk is None else first_chunk
@@ -316,33 +332,33 @@ class OpenCLBackend(Backend):
 
     # -- helpers --------------------------------------------------------------------
     @property
-    def memory_bytes(self):
+    def memory_bytes(self) -> int:
         return 2 * sum(self.layer_pages) * self.storage.page_bytes(
             self.num_kv_heads, self.page_size, self.head_dim)
 
-    def _scales(self, layer):
+    def _scales(self, layer: int) -> "Tuple[pyopencl.Buffer, pyopencl.Buffer]":
         """The layer's K and V scale buffers as the attention kernel takes them
         (placeholders for a format without scales)."""
         pools = self._pools[layer]
         return pools.get("k_scales", self._placeholder), pools.get("v_scales", self._placeholder)
 
-    def _pool_args(self, layer):
+    def _pool_args(self, layer: int) -> Dict[str, Any]:     # (buffers, as **kwargs)
         """The layer's copy set as scatter and gather take it, by argument name."""
         pools = self._pools[layer]
         return {part.argument: pools[part.field] for part in self._copy_set}
 
-    def _rotate(self, x, rows):
+    def _rotate(self, x: "_DeviceMemory", rows: int) -> "List[pyopencl.Event]":
         """The format's rotations (``OpenCLKernels.rotations``; often none) of the
         first ``rows`` rows of float32 device buffer (or array) ``x``, in place;
         returns their events."""
         return [self._launch(kernel, rows, x=x, n=rows) for kernel in self._k_rotations]
 
-    def _upload(self, array, dtype=None):
+    def _upload(self, array: Any, dtype: "Optional[npt.DTypeLike]" = None) -> "pyopencl.Buffer":
         """A device copy (a pyopencl Buffer, :func:`_buffer_holding`) of a non-empty
         host array, converted to ``dtype`` (None: its own)."""
         return _buffer_holding(self.context, np.ascontiguousarray(array, dtype=dtype))
 
-    def _work_buffer(self, name, num_floats):
+    def _work_buffer(self, name: str, num_floats: int) -> "pyopencl.Buffer":
         """The backend's reusable float32 buffer ``name`` of at least ``num_floats``.
 
         Partial results and numpy outputs of attention live here, made anew
@@ -356,18 +372,21 @@ class OpenCLBackend(Backend):
             buffer = self._work[name] = self._zeros(4 * num_floats)
         return buffer
 
-    def _empty(self, shape):
+    def _empty(self, shape: Tuple[int, ...]) -> "pyopencl.array.Array":
         """A new float32 pyopencl Array (zeros) on the cache's queue."""
         return _cl_array.Array(self.queue, shape, np.float32,
                                data=self._zeros(4 * int(np.prod(shape))))
 
-    def _launch(self, kernel, num_work_items, *, wait_for=None, **args):
+    def _launch(self, kernel: "KernelCall", num_work_items: int, *,
+                wait_for: "Optional[Sequence[pyopencl.Event]]" = None,
+                **args: Any) -> "pyopencl.Event":
         """Run a data-movement kernel over >= ``num_work_items`` (it bounds-checks its id)."""
         wg = self._copy_wg
         return kernel(self.queue, (-(-num_work_items // wg) * wg,), (wg,), wait_for=wait_for,
                       **args)
 
-    def _device_f32(self, x, name, scale=1.0):
+    def _device_f32(self, x: Any, name: str,
+                    scale: float = 1.0) -> "Tuple[_DeviceMemory, List[pyopencl.Event]]":
         """``scale * x`` as C-contiguous float32 device memory of this context.
 
         numpy input is converted (and scaled) on the host and uploaded (a
@@ -426,7 +445,8 @@ class OpenCLBackend(Backend):
             return out, self._scaled(out, out, scale, [])
         raise ArgumentTypeError(f"{name}: expected float16, float32 or float64, got {x.dtype}")
 
-    def _scaled(self, src, dst, scale, wait_for):
+    def _scaled(self, src: "_DeviceMemory", dst: "_DeviceMemory", scale: float,
+                wait_for: "List[pyopencl.Event]") -> "List[pyopencl.Event]":
         """dst = scale * src on the device (nothing when scale is 1); returns what a
         reader of dst waits for."""
         if scale == 1.0 or not src.size:
@@ -435,30 +455,30 @@ class OpenCLBackend(Backend):
                              n=src.size, scale=np.float32(scale))]
 
     # -- protocol -------------------------------------------------------------------
-    def _check_process(self):
+    def _check_process(self) -> None:
         """RuntimeError in a fork()ed child, where the driver would hang."""
         if os.getpid() != self._pid:
             raise RuntimeError(f"opencl backend: {FORKED_CHILD_REASON}")
 
-    def _flush(self):
+    def _flush(self) -> None:
         """Launch the store that waits for its layer's attention, if any."""
         pending = self._pending
         if pending is not None:
             self._scatter(pending.layer, pending.tables, pending.k, pending.v)
             self._pending = None     # only once launched: a failed launch keeps it owed
 
-    def prepare_step(self, tables):
+    def prepare_step(self, tables: StepTables) -> None:
         """Upload the step's tables once (``tables.device``); every layer reuses them."""
         self._check_process()
         self._flush()
-        def upload(array):
+        def upload(array: np.ndarray) -> "Optional[pyopencl.Buffer]":
             return self._upload(array) if len(array) else None
 
         tables.device = _DeviceTables(
             upload(tables.slot_mapping), upload(tables.page_indptr),
             upload(tables.page_indices), upload(tables.query_start), upload(tables.seq_lens))
 
-    def copy_pages(self, src, dst, layers):
+    def copy_pages(self, src: np.ndarray, dst: np.ndarray, layers: Sequence[int]) -> None:
         self._check_process()
         self._flush()
         if not len(src):
@@ -478,7 +498,7 @@ class OpenCLBackend(Backend):
                              num_copies=len(src), page_elems=elems,
                              num_pages=self.layer_pages[layer])
 
-    def store(self, layer, tables, k, v):
+    def store(self, layer: int, tables: StepTables, k: Any, v: Any) -> None:
         self._check_process()
         self._flush()
         if tables.num_tokens == 0:
@@ -492,7 +512,8 @@ class OpenCLBackend(Backend):
         # scatter is queued now, and their next writes wait for it
         self._hand_back(k, v, event=self._scatter(layer, tables, kd, vd, k_wait + v_wait))
 
-    def _scatter(self, layer, tables, k, v, wait_for=None):
+    def _scatter(self, layer: int, tables: StepTables, k: "_DeviceMemory", v: "_DeviceMemory",
+                 wait_for: "Optional[List[pyopencl.Event]]" = None) -> "pyopencl.Event":
         """Queue the scatter of device K/V ``k``, ``v`` into layer ``layer``; its event."""
         return self._launch(
             self._k_scatter, tables.num_tokens * self.num_kv_heads * self._rows_or_vectors,
@@ -501,7 +522,7 @@ class OpenCLBackend(Backend):
             num_kv_heads=self.num_kv_heads, page_size=self.page_size,
             num_slots=self.layer_pages[layer] * self.page_size, **self._pool_args(layer))
 
-    def _hand_back(self, *arrays, event):
+    def _hand_back(self, *arrays: Any, event: "pyopencl.Event") -> None:
         """Order the caller's later writes to its pyopencl ``arrays`` after ``event``
         (the last of the cache's commands that read them): pyopencl's own
         operations wait for ``array.events``; the array's own queue, when it is
@@ -514,10 +535,11 @@ class OpenCLBackend(Backend):
             for queue in {x.queue for x in native if x.queue is not None and x.queue != self.queue}:
                 self._cl.enqueue_barrier(queue, wait_for=[done])
 
-    def _plan(self, tables, num_heads, band):
+    def _plan(self, tables: StepTables, num_heads: int, band: "Optional[Band]") -> _Plan:
         return _Plan(self, tables, num_heads, band)
 
-    def attention(self, layer, tables, q, spec, out=None, lse=None):
+    def attention(self, layer: int, tables: StepTables, q: Any, spec: "AttentionSpec",
+                  out: Optional[np.ndarray] = None, lse: Optional[np.ndarray] = None) -> Any:
         self._check_process()
         native = self.is_native(q)
         plan = tables.plan(self._plan, q.shape[1], spec.band)
@@ -551,7 +573,9 @@ class OpenCLBackend(Backend):
         # every call; a pyopencl result is the caller's to keep (made like the
         # float32 q: pyopencl's general constructor costs more than a decode layer's kernel)
         if native:
-            out_d = _cl_array.empty_like(qd, queue=self.queue, allocator=self._zeros)
+            # (a native q comes back from _device_f32 as an Array)
+            out_d = _cl_array.empty_like(cast("pyopencl.array.Array", qd), queue=self.queue,
+                                         allocator=self._zeros)
             out_d.allocator = None    # what pyopencl makes from it later: its default buffers
         else:
             out_d = self._work_buffer("out", rows * self.head_dim)
@@ -596,12 +620,12 @@ class OpenCLBackend(Backend):
         events += self._rotate(out_d, rows)   # the output, back from the rotated basis
         self._last_events = events
         if counting:
-            counts = [np.empty(num_groups * wg, np.int32),
-                      np.empty(plan.num_segments * mwg, np.int32) if plan.num_segments else None]
+            counts = (np.empty(num_groups * wg, np.int32),
+                      np.empty(plan.num_segments * mwg, np.int32) if plan.num_segments else None)
             self._cl.enqueue_copy(self.queue, counts[0], loop_counts)
             if counts[1] is not None:
                 self._cl.enqueue_copy(self.queue, counts[1], merge_counts)
-            self.last_loop_counts = tuple(counts)
+            self.last_loop_counts = counts
         if native:
             out_d.add_event(events[-1])
             self._hand_back(q, event=events[0])
@@ -613,7 +637,7 @@ class OpenCLBackend(Backend):
         self._cl.enqueue_copy(self.queue, result, out_d)
         return result
 
-    def _fused_store_args(self, pending):
+    def _fused_store_args(self, pending: Optional[_PendingStore]) -> Dict[str, Any]:
         """The attention kernel's store arguments for ``pending`` (None: no store),
         with ``num_groups``, its scatter work-groups."""
         if pending is None:
@@ -633,7 +657,7 @@ class OpenCLBackend(Backend):
                     num_new_tokens=num_tokens, scatter_rows=per_group)
 
     @property
-    def last_attention_kernel_seconds(self):
+    def last_attention_kernel_seconds(self) -> Optional[float]:
         """Device seconds of the last ``attention`` call's kernels, from profiling events.
 
         None before the first call, 0.0 after a call with nothing to compute.
@@ -645,7 +669,7 @@ class OpenCLBackend(Backend):
             self._cl.wait_for_events(self._last_events)
         return sum(e.profile.end - e.profile.start for e in self._last_events) * 1e-9
 
-    def gather(self, layer, slots):
+    def gather(self, layer: int, slots: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
         self._check_process()
         self._flush()
         n = len(slots)
@@ -666,13 +690,15 @@ class OpenCLBackend(Backend):
         return k, v
 
     # -- stored rows (export, import, swap) -------------------------------------------
-    def _row_buffers(self, layer):
+    def _row_buffers(self, layer: int) -> "List[Tuple[pyopencl.Buffer, int]]":
         """The layer's copy set, in :class:`StoredRows` order, each pool with the bytes
         of one of its rows."""
         pools = self._pools[layer]
         return [(pools[part.field], part.row_bytes) for part in self._copy_set]
 
-    def _rows_call(self, which, layer, slots_d, n, pool, row_bytes, rows):
+    def _rows_call(self, which: int, layer: int, slots_d: "pyopencl.Buffer", n: int,
+                   pool: "pyopencl.Buffer", row_bytes: int,
+                   rows: "pyopencl.Buffer") -> "pyopencl.Event":
         """Queue the raw-row kernel ``which`` (0 read, 1 write) over ``n`` rows."""
         unit = 4 if row_bytes % 4 == 0 else 1
         return self._launch(self._k_rows[unit][which], n * self.num_kv_heads, pool=pool,
@@ -680,7 +706,8 @@ class OpenCLBackend(Backend):
                             page_size=self.page_size, row_units=row_bytes // unit,
                             num_slots=self.layer_pages[layer] * self.page_size)
 
-    def read_rows(self, layer, slots, out=None):
+    def read_rows(self, layer: int, slots: np.ndarray,
+                  out: Optional[StoredRows] = None) -> StoredRows:
         self._check_process()
         self._flush()
         n = len(slots)
@@ -689,13 +716,14 @@ class OpenCLBackend(Backend):
         if n:
             slots_d = self._upload(slots.astype(np.int64))
             for (pool, row_bytes), rows in zip(self._row_buffers(layer), out):
+                assert rows is not None     # zip stops at the copy set's end, before absent scales
                 rows_d = self._cl.Buffer(self.context, self._cl.mem_flags.WRITE_ONLY, rows.nbytes)
                 self._rows_call(0, layer, slots_d, n, pool, row_bytes, rows_d)
                 self._cl.enqueue_copy(self.queue, rows, rows_d, is_blocking=False)
             self.queue.finish()
         return out
 
-    def write_rows(self, layer, slots, rows):
+    def write_rows(self, layer: int, slots: np.ndarray, rows: StoredRows) -> None:
         self._check_process()
         self._flush()
         n = len(slots)

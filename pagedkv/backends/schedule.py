@@ -25,10 +25,15 @@ one call (``keep``) and the rest of each sequence's keys in another (not
 ``keep``); the kernels see only the items' key ranges.
 """
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Optional, Tuple
 
 import numpy as np
+import numpy.typing as npt
 
 from pagedkv.backends.kernel_source import work_item_fields
+
+if TYPE_CHECKING:   # annotations only: importing it here would be circular
+    from pagedkv.attention_spec import Band
 
 #: The work-item columns, e.g. ``ITEM.KEY0``; ``ITEM.COUNT`` is their count.
 ITEM = work_item_fields()
@@ -49,9 +54,13 @@ class KeyCut:
     keep: bool
 
 
-def plan_attention(query_start, seq_lens, *, num_kv_heads, page_size, rows_per_block,
-                   target_items, min_part_tokens, heads_per_item=1, band=None,
-                   max_part_keys=None, max_parts=None, key_cut=None):
+def plan_attention(query_start: npt.ArrayLike, seq_lens: npt.ArrayLike, *, num_kv_heads: int,
+                   page_size: int, rows_per_block: int, target_items: int,
+                   min_part_tokens: int, heads_per_item: int = 1,
+                   band: "Optional[Band]" = None,
+                   max_part_keys: Optional[Callable[[np.ndarray], npt.ArrayLike]] = None,
+                   max_parts: Optional[Callable[[np.ndarray], npt.ArrayLike]] = None,
+                   key_cut: Optional[KeyCut] = None) -> Tuple[np.ndarray, np.ndarray]:
     """Plan the work items of one step.
 
     Parameters
@@ -181,7 +190,8 @@ def plan_attention(query_start, seq_lens, *, num_kv_heads, page_size, rows_per_b
     return items, item_offsets
 
 
-def _cut_out(items, counts, skip_lo, skip_hi):
+def _cut_out(items: np.ndarray, counts: np.ndarray, skip_lo: np.ndarray,
+             skip_hi: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
     """Items without the keys ``skip_lo[i]:skip_hi[i]`` (per item), and the new
     item count of each (block, head): an item around the range becomes two,
     one inside it none.  A block keeps at least one item (its rows' own

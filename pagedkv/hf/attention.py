@@ -9,18 +9,25 @@ gets no mask at all, so :func:`padding_mask` is registered beside
 pass's new tokens are real, all the paged attention needs (causality, windows
 and positions are the cache's).
 """
+from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, Tuple
+
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from pagedkv.hf.cache import take_update
 from pagedkv.hf.config import UnsupportedModelError
 
+if TYPE_CHECKING:   # annotations only: torch comes with transformers
+    import torch
+
 #: The name to pass as ``attn_implementation``.
 NAME = "pagedkv"
 
 
-def padding_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,
-                 attention_mask=None, use_vmap=False, **kwargs):
+def padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0,
+                 kv_offset: int = 0, mask_function: Optional[Callable[..., Any]] = None,
+                 attention_mask: "Optional[torch.Tensor]" = None, use_vmap: bool = False,
+                 **kwargs: Any) -> "Optional[torch.Tensor]":
     """The mask function of ``"pagedkv"``: which of the pass's new tokens are real.
 
     Parameters
@@ -52,9 +59,15 @@ def padding_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_
     return None if bool(new.all()) else new
 
 
-def paged_attention_forward(module, query, key, value, attention_mask, dropout=0.0,
-                            scaling=None, sliding_window=None, softcap=None, s_aux=None,
-                            is_causal=None, **kwargs):
+def paged_attention_forward(module: "torch.nn.Module", query: "torch.Tensor",
+                            key: "torch.Tensor", value: "torch.Tensor",
+                            attention_mask: "Optional[torch.Tensor]", dropout: float = 0.0,
+                            scaling: Optional[float] = None,
+                            sliding_window: Optional[int] = None,
+                            softcap: Optional[float] = None,
+                            s_aux: "Optional[torch.Tensor]" = None,
+                            is_causal: Optional[bool] = None,
+                            **kwargs: Any) -> "Tuple[torch.Tensor, None]":
     """Attention of one layer over its :class:`~pagedkv.hf.PagedCache` (``"pagedkv"``).
 
     Parameters
@@ -99,7 +112,7 @@ def paged_attention_forward(module, query, key, value, attention_mask, dropout=0
         raise UnsupportedModelError(f"layer {layer}: the model attends with sliding_window="
                                     f"{sliding_window}, but its config gives the layer "
                                     f"{'full attention' if window is None else window}")
-    variants = {"scale": spec.scale if scaling is None else float(scaling)}
+    variants: Dict[str, Any] = {"scale": spec.scale if scaling is None else float(scaling)}
     cap = spec.logits_soft_cap if softcap is None else softcap
     if cap is not None:
         variants["logits_soft_cap"] = float(cap)
@@ -112,7 +125,7 @@ def paged_attention_forward(module, query, key, value, attention_mask, dropout=0
     return out, None
 
 
-def register():
+def register() -> None:
     """Register ``"pagedkv"`` with transformers' attention and mask interfaces (idempotent)."""
     AttentionInterface.register(NAME, paged_attention_forward)
     AttentionMaskInterface.register(NAME, padding_mask)

@@ -20,6 +20,8 @@ forward pass:
 """
 import contextlib
 import threading
+from typing import (TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Sequence,
+                    Tuple, Union, cast)
 
 import numpy as np
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -27,11 +29,19 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 import pagedkv
 from pagedkv.hf.config import UnsupportedModelError, read_model_attention
 
+if TYPE_CHECKING:   # annotations only: torch comes with transformers
+    import torch
+
+    from pagedkv.step import StepBatch
+
+#: What a bound step runs per layer: ``attend(layer, q, k, v, **variants)`` (see ``bind``).
+Attend = Callable[..., "torch.Tensor"]
+
 # The update() a layer just made, for the attention call that follows it on the same thread.
 _pending = threading.local()
 
 
-def take_update(module, key):
+def take_update(module: Any, key: "torch.Tensor") -> "Tuple[PagedCache, int]":
     """The cache and layer of the ``update`` that produced ``key``, consumed.
 
     Raises
@@ -49,7 +59,7 @@ def take_update(module, key):
             f"attends over a pagedkv.hf.PagedCache, and this layer's keys did not come from "
             f"one: pass past_key_values=pagedkv.hf.PagedCache(model.config, num_pages=...) "
             f"(and use_cache=True), or use pagedkv.hf.generate_batch")
-    return cache, layer
+    return cache, cast(int, layer)      # update() set it with the cache
 
 
 class _PagedLayer(CacheLayerMixin):
@@ -59,37 +69,39 @@ class _PagedLayer(CacheLayerMixin):
     is_croppable = True
     supports_early_init = False
 
-    def __init__(self, cache, window):
+    def __init__(self, cache: "PagedCache", window: Optional[int]):
         super().__init__()
         self._cache = cache
         self.is_sliding = window is not None
         self.sliding_window = window
         self.is_initialized = True
 
-    def lazy_initialization(self, key_states, value_states):
+    def lazy_initialization(self, key_states: "torch.Tensor",
+                            value_states: "torch.Tensor") -> None:
         pass
 
-    def update(self, key_states, value_states, *args, **kwargs):
+    def update(self, key_states: "torch.Tensor", value_states: "torch.Tensor", *args: Any,
+               **kwargs: Any) -> "Tuple[torch.Tensor, torch.Tensor]":
         raise NotImplementedError("PagedCache.update stores every layer")
 
-    def get_mask_sizes(self, query_length):
+    def get_mask_sizes(self, query_length: int) -> Tuple[int, int]:
         return self._cache.get_seq_length() + query_length, 0
 
-    def get_seq_length(self):
+    def get_seq_length(self) -> int:
         return self._cache.get_seq_length()
 
-    def get_max_length(self):
+    def get_max_length(self) -> int:
         return -1
 
 
 class _PaddedStep:
     """The pagedkv step of one padded forward pass."""
 
-    def __init__(self, batch, valid, lengths_before):
+    def __init__(self, batch: "StepBatch", valid: np.ndarray, lengths_before: List[int]):
         self.batch = batch
         self.valid = valid                    # [B, q] bool ndarray: the pass's real tokens
         self.lengths_before = lengths_before  # per row, for rolling back an unfinished pass
-        self.stored = set()
+        self.stored: "set[int]" = set()
 
 
 class PagedCache(Cache):
@@ -147,9 +159,10 @@ class PagedCache(Cache):
     ``truncate`` and copy-on-write ``fork``.
     """
 
-    def __init__(self, config, *, num_pages, page_size=16, backend="auto", dtype="float32",
-                 enable_prefix_caching=False, num_window_pages=None, max_seq_len=None,
-                 device=None):
+    def __init__(self, config: Any, *, num_pages: int, page_size: int = 16,
+                 backend: str = "auto", dtype: str = "float32",
+                 enable_prefix_caching: bool = False, num_window_pages: Optional[int] = None,
+                 max_seq_len: Optional[int] = None, device: Any = None):
         spec = read_model_attention(config)
         windows = list(spec.layer_windows) if spec.has_windowed_layers else None
         try:
@@ -167,19 +180,20 @@ class PagedCache(Cache):
         super().__init__(layers=[_PagedLayer(self, w) for w in spec.layer_windows])
         self.attention_config = spec
         self.kv = kv
-        self.rows = []                                  # padded batches: a sequence per row
+        self.rows: List[int] = []                       # padded batches: a sequence per row
         self._columns = np.zeros((0, 0), dtype=bool)   # [B, width]: which held a real token
-        self._step = None
-        self._attend = None
-        self._expected_positions = None
+        self._step: Optional[_PaddedStep] = None
+        self._attend: Optional[Attend] = None
+        self._expected_positions: Optional[np.ndarray] = None
         self._num_stored_tokens = 0
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return (f"PagedCache({self.attention_config.model_type}, {len(self.rows)} rows of "
                 f"width {self.get_seq_length()}, kv={self.kv!r})")
 
     # -- what transformers asks of a cache ---------------------------------------------
-    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+    def update(self, key_states: "torch.Tensor", value_states: "torch.Tensor", layer_idx: int,
+               *args: Any, **kwargs: Any) -> "Tuple[torch.Tensor, torch.Tensor]":
         """Take a layer's new ``key_states`` / ``value_states`` ``[B, num_kv_heads, q, head_dim]``.
 
         They are stored by the attention call that follows (which learns from
@@ -202,20 +216,20 @@ class PagedCache(Cache):
         _pending.update = (self, layer_idx, key_states)
         return key_states, value_states
 
-    def get_seq_length(self, layer_idx=0):
+    def get_seq_length(self, layer_idx: int = 0) -> int:
         """The padded width: columns of the padded batch seen so far."""
         return self._columns.shape[1]
 
-    def get_mask_sizes(self, query_length, layer_idx=0):
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> Tuple[int, int]:
         return self.get_seq_length() + query_length, 0
 
-    def get_query_offset(self, layer_idx=0):
+    def get_query_offset(self, layer_idx: int = 0) -> int:
         return self.get_seq_length()
 
-    def get_max_length(self, layer_idx=None):
+    def get_max_length(self, layer_idx: Optional[int] = None) -> int:
         return -1 if self.kv.max_seq_len is None else self.kv.max_seq_len
 
-    def reset(self):
+    def reset(self) -> None:
         """Free every row's sequence (the cache is then as new; the prefix cache stays)."""
         for seq_id in self.rows:
             self.kv.free(seq_id)
@@ -223,7 +237,7 @@ class PagedCache(Cache):
         self._columns = np.zeros((0, 0), dtype=bool)
         self._step = None
 
-    def crop(self, tokens_to_remove):
+    def crop(self, tokens_to_remove: int) -> None:
         """Drop the last ``-tokens_to_remove`` columns of the padded batch (a negative int)."""
         if isinstance(tokens_to_remove, bool) or not isinstance(tokens_to_remove, int) \
                 or tokens_to_remove > 0 or -tokens_to_remove > self.get_seq_length():
@@ -238,7 +252,7 @@ class PagedCache(Cache):
             self.kv.truncate(seq_id, self.kv.seq_len(seq_id) - num)
         self._columns = self._columns[:, :keep]
 
-    def _remap_rows(self, sources):
+    def _remap_rows(self, sources: Sequence[int]) -> None:
         """Rows become forks of ``sources`` (old row indices); the old rows are freed."""
         self._roll_back_unfinished_pass()
         if not self.rows:
@@ -249,19 +263,19 @@ class PagedCache(Cache):
         self.rows = forks
         self._columns = self._columns[np.asarray(sources, dtype=np.intp)]
 
-    def reorder_cache(self, beam_idx):
+    def reorder_cache(self, beam_idx: "torch.LongTensor") -> None:
         """Beam search: row ``i`` becomes a copy-on-write fork of row ``beam_idx[i]``."""
         self._remap_rows([int(i) for i in beam_idx])
 
-    def batch_repeat_interleave(self, repeats):
+    def batch_repeat_interleave(self, repeats: int) -> None:
         self._remap_rows([i for i in range(len(self.rows)) for _ in range(int(repeats))])
 
-    def batch_select_indices(self, indices):
+    def batch_select_indices(self, indices: "torch.Tensor") -> None:
         self._remap_rows([int(i) for i in indices])
 
     # -- ragged steps ------------------------------------------------------------------------
     @contextlib.contextmanager
-    def step(self, batch):
+    def step(self, batch: "StepBatch") -> Iterator["PagedCache"]:
         """Run the forward passes inside on a step you appended to :attr:`kv`.
 
         Parameters
@@ -288,7 +302,8 @@ class PagedCache(Cache):
         offsets = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
         kv = self.kv
 
-        def attend(layer, q, k, v, **variants):
+        def attend(layer: int, q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor",
+                   **variants: Any) -> "torch.Tensor":
             kv.store(layer, batch, k, v)
             return kv.attention(layer, batch, q, **variants)
 
@@ -300,7 +315,7 @@ class PagedCache(Cache):
                 self._expected_positions = None
 
     @contextlib.contextmanager
-    def bind(self, attend):
+    def bind(self, attend: Attend) -> Iterator["PagedCache"]:
         """Route the forward passes inside through ``attend(layer, q, k, v, **variants)``.
 
         The engine's hook (``pagedkv.models.engine.paged_attend`` of a step):
@@ -318,7 +333,10 @@ class PagedCache(Cache):
             self._attend = None
 
     # -- the attention call ---------------------------------------------------------------
-    def attend(self, layer, query, key, value, padding, variants, position_ids=None):
+    def attend(self, layer: int, query: "torch.Tensor", key: "torch.Tensor",
+               value: "torch.Tensor", padding: "Optional[torch.Tensor]",
+               variants: Dict[str, Any],
+               position_ids: "Optional[torch.Tensor]" = None) -> "torch.Tensor":
         """Store one layer's new K/V and return its attention (the registered function's body).
 
         Parameters
@@ -346,7 +364,10 @@ class PagedCache(Cache):
                                        variants, position_ids)
         return self._attend_padded(layer, query, key, value, padding, variants)
 
-    def _attend_packed(self, attend, layer, query, key, value, padding, variants, position_ids):
+    def _attend_packed(self, attend: Attend, layer: int, query: "torch.Tensor",
+                       key: "torch.Tensor", value: "torch.Tensor",
+                       padding: "Optional[torch.Tensor]", variants: Dict[str, Any],
+                       position_ids: "Optional[torch.Tensor]") -> "torch.Tensor":
         if query.shape[0] != 1 or padding is not None:
             raise ValueError(f"input_ids: a step runs its tokens packed into one row with no "
                              f"padding (input_ids [1, num_tokens], no attention_mask), got "
@@ -366,7 +387,9 @@ class PagedCache(Cache):
             self._num_stored_tokens += query.shape[2]
         return out.unsqueeze(0).to(query.dtype)
 
-    def _attend_padded(self, layer, query, key, value, padding, variants):
+    def _attend_padded(self, layer: int, query: "torch.Tensor", key: "torch.Tensor",
+                       value: "torch.Tensor", padding: "Optional[torch.Tensor]",
+                       variants: Dict[str, Any]) -> "torch.Tensor":
         batch_size, num_heads, q_len, head_dim = query.shape
         step = self._step
         if step is None or layer in step.stored:
@@ -392,14 +415,15 @@ class PagedCache(Cache):
         full[padding] = out
         return full
 
-    def _roll_back_unfinished_pass(self):
+    def _roll_back_unfinished_pass(self) -> None:
         """A pass that stopped part way (an exception) leaves no tokens behind."""
         if self._step is not None:
             for seq_id, length in zip(self.rows, self._step.lengths_before):
                 self.kv.truncate(seq_id, length)
             self._step = None
 
-    def _begin_padded_step(self, batch_size, q_len, padding):
+    def _begin_padded_step(self, batch_size: int, q_len: int,
+                           padding: "Optional[torch.Tensor]") -> _PaddedStep:
         self._roll_back_unfinished_pass()
         if not self.rows:
             self.rows = [self.kv.add_sequence() for _ in range(batch_size)]
@@ -422,7 +446,7 @@ class PagedCache(Cache):
         return self._step
 
     # -- counters ------------------------------------------------------------------------------
-    def stats(self):
+    def stats(self) -> Dict[str, Union[int, float]]:
         """``kv.stats()`` plus ``num_stored_tokens``: tokens whose K/V this cache computed and stored.
 
         Returns

@@ -15,7 +15,7 @@ attention call come from the config too: the scale (``query_pre_attn_scalar``
 the attention function takes them from the call (``s_aux``).
 """
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Any, Iterable, Optional, Tuple
 
 #: Layer types of transformers' configs that map onto a pagedkv layer.
 SERVED_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
@@ -57,18 +57,18 @@ class ModelAttention:
     max_position: int
 
     @property
-    def has_windowed_layers(self):
+    def has_windowed_layers(self) -> bool:
         return any(w is not None for w in self.layer_windows)
 
 
-def _positive_int(config, name, value):
+def _positive_int(config: Any, name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise UnsupportedModelError(f"config.{name}: expected a positive int, got {value!r} "
                                     f"({config.model_type})")
     return value
 
 
-def _check_layer_types(layer_types):
+def _check_layer_types(layer_types: Iterable[str]) -> None:
     for index, kind in enumerate(layer_types):
         if kind not in SERVED_LAYER_TYPES:
             raise UnsupportedModelError(
@@ -76,7 +76,7 @@ def _check_layer_types(layer_types):
                 f"{' and '.join(map(repr, SERVED_LAYER_TYPES))} layers)")
 
 
-def read_model_attention(config):
+def read_model_attention(config: Any) -> ModelAttention:
     """The :class:`ModelAttention` of a transformers config.
 
     Parameters

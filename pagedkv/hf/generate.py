@@ -11,13 +11,14 @@ engine sees it.
 """
 import copy
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
+import numpy.typing as npt
 import torch
-from transformers import GenerationConfig
+from transformers import GenerationConfig, PreTrainedModel
 
-from pagedkv.hf.cache import PagedCache
+from pagedkv.hf.cache import Attend, PagedCache
 from pagedkv.models.engine import Engine
 
 #: GenerationConfig fields generate_batch applies.
@@ -40,7 +41,7 @@ class DecoderConfig:
     layer_windows: Tuple[Optional[int], ...]
 
     @property
-    def has_windowed_layers(self):
+    def has_windowed_layers(self) -> bool:
         return any(w is not None for w in self.layer_windows)
 
 
@@ -55,7 +56,7 @@ class TransformersDecoder:
         For ``model.config``; the engine runs on ``cache.kv``.
     """
 
-    def __init__(self, model, cache):
+    def __init__(self, model: PreTrainedModel, cache: PagedCache):
         if getattr(model.config, "_attn_implementation", None) != "pagedkv":
             raise ValueError(
                 f"model: expected a model loaded with attn_implementation=\"pagedkv\" (after "
@@ -68,7 +69,8 @@ class TransformersDecoder:
         self.config = DecoderConfig(spec.num_layers, spec.num_kv_heads, spec.head_dim,
                                     spec.vocab_size, spec.max_position, spec.layer_windows)
 
-    def forward(self, token_ids, positions, attend, logit_rows=None):
+    def forward(self, token_ids: npt.ArrayLike, positions: npt.ArrayLike, attend: Attend,
+                logit_rows: Optional[npt.ArrayLike] = None) -> np.ndarray:
         """Logits of the selected rows of one packed step.
 
         Parameters
@@ -94,7 +96,8 @@ class TransformersDecoder:
         return out.logits[0].float().cpu().numpy()
 
 
-def sampling_options(model, generation_config=None, **kwargs):
+def sampling_options(model: PreTrainedModel, generation_config: Optional[GenerationConfig] = None,
+                     **kwargs: Any) -> Tuple[Optional[int], Dict[str, Any]]:
     """``max_new_tokens`` and the engine's sampling arguments from GenerationConfig names.
 
     Parameters
@@ -150,13 +153,15 @@ def sampling_options(model, generation_config=None, **kwargs):
     return config.max_new_tokens, options
 
 
-def _default_num_pages(prompts, max_new_tokens, page_size, max_position):
+def _default_num_pages(prompts: Sequence[Sequence[int]], max_new_tokens: int, page_size: int,
+                       max_position: int) -> int:
     """Pages for every prompt at its full length at once (no preemption)."""
     return max(1, sum(-(-min(len(p) + max_new_tokens, max_position) // page_size)
                       for p in prompts))
 
 
-def make_engine(model, cache, *, max_num_seqs=32, max_num_batched_tokens=512, seed=None):
+def make_engine(model: PreTrainedModel, cache: PagedCache, *, max_num_seqs: int = 32,
+                max_num_batched_tokens: int = 512, seed: Optional[int] = None) -> Engine:
     """The continuous-batching engine over ``model`` and ``cache.kv``.
 
     Parameters
@@ -178,10 +183,14 @@ def make_engine(model, cache, *, max_num_seqs=32, max_num_batched_tokens=512, se
                   max_num_batched_tokens=max_num_batched_tokens, seed=seed)
 
 
-def generate_batch(model, prompts, max_new_tokens=None, *, cache=None, backend="auto",
-                   dtype="float32", num_pages=None, page_size=16, enable_prefix_caching=True,
-                   max_num_seqs=32, max_num_batched_tokens=512, generation_config=None,
-                   seed=None, **generation_kwargs):
+def generate_batch(model: PreTrainedModel, prompts: Sequence[Sequence[int]],
+                   max_new_tokens: Optional[int] = None, *, cache: Optional[PagedCache] = None,
+                   backend: str = "auto", dtype: str = "float32",
+                   num_pages: Optional[int] = None, page_size: int = 16,
+                   enable_prefix_caching: bool = True, max_num_seqs: int = 32,
+                   max_num_batched_tokens: int = 512,
+                   generation_config: Optional[GenerationConfig] = None,
+                   seed: Optional[int] = None, **generation_kwargs: Any) -> List[List[int]]:
     """Complete token-id prompts with continuous batching over a paged KV cache.
 
     Parameters
@@ -254,7 +263,8 @@ def generate_batch(model, prompts, max_new_tokens=None, *, cache=None, backend="
     return [list(engine.requests[r].output_ids) for r in request_ids]
 
 
-def _window_pages(config, num_pages, page_size, num_seqs, max_num_batched_tokens):
+def _window_pages(config: Any, num_pages: int, page_size: int, num_seqs: int,
+                  max_num_batched_tokens: int) -> Optional[int]:
     """Pages the window pool needs for ``num_seqs`` running sequences (at most ``num_pages``).
 
     A windowed layer holds about ``(W + new tokens) / page_size + 2`` pages per

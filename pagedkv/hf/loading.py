@@ -8,11 +8,19 @@ import hashlib
 import os
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING, Dict, Iterable, List, Optional, Union, cast
 
 import torch
 
+if TYPE_CHECKING:   # annotations only: transformers is imported where it is used
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-def is_gguf(path):
+    from pagedkv.models.tokenizer import GGUFTokenizer
+
+_Path = Union[str, "os.PathLike[str]"]
+
+
+def is_gguf(path: _Path) -> bool:
     """Whether ``path`` is a GGUF file (by its magic bytes)."""
     path = Path(path)
     if not path.is_file():
@@ -21,7 +29,7 @@ def is_gguf(path):
         return f.read(4) == b"GGUF"
 
 
-def converted_folder(path, converted_dir):
+def converted_folder(path: _Path, converted_dir: _Path) -> Path:
     """Where :func:`load_causal_lm` keeps the dequantized copy of GGUF ``path`` in
     ``converted_dir``: named by the file's identity and the transformers version, so a
     changed file or library converts again.
@@ -38,8 +46,9 @@ def converted_folder(path, converted_dir):
     return Path(converted_dir) / f"{path.stem}-{key}"
 
 
-def load_causal_lm(path, *, attn_implementation="pagedkv", dtype=torch.float32,
-                   converted_dir=None):
+def load_causal_lm(path: _Path, *, attn_implementation: str = "pagedkv",
+                   dtype: torch.dtype = torch.float32,
+                   converted_dir: Optional[_Path] = None) -> "PreTrainedModel":
     """A transformers ``AutoModelForCausalLM`` from a model folder or a GGUF file, in eval mode.
 
     Parameters
@@ -97,26 +106,29 @@ class TransformersTokenizer:
         Token ids that end a request.
     """
 
-    def __init__(self, tokenizer, stop_ids):
+    def __init__(self, tokenizer: "PreTrainedTokenizerBase", stop_ids: Iterable[int]):
         self._tokenizer = tokenizer
         self.chat_template = tokenizer.chat_template
         self.stop_ids = set(int(t) for t in stop_ids)
 
-    def encode(self, text):
+    def encode(self, text: str) -> List[int]:
         """Token ids of ``text`` (with the special tokens the tokenizer adds)."""
         return list(self._tokenizer(text)["input_ids"])
 
-    def encode_chat(self, messages, *, add_generation_prompt=True):
+    def encode_chat(self, messages: List[Dict[str, str]], *,
+                    add_generation_prompt: bool = True) -> List[int]:
         """Token ids of ``messages`` through the chat template."""
         text = self._tokenizer.apply_chat_template(messages, tokenize=False,
                                                    add_generation_prompt=add_generation_prompt)
         return list(self._tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    def decode(self, ids, *, skip_special=True):
-        return self._tokenizer.decode(list(ids), skip_special_tokens=skip_special)
+    def decode(self, ids: Iterable[int], *, skip_special: bool = True) -> str:
+        # (one sequence of ids: one str; transformers types it with the batched form)
+        return cast(str, self._tokenizer.decode(list(ids), skip_special_tokens=skip_special))
 
 
-def load_tokenizer(path, model):
+def load_tokenizer(path: _Path,
+                   model: "PreTrainedModel") -> "Union[TransformersTokenizer, GGUFTokenizer]":
     """The demo's tokenizer for a model folder or GGUF file.
 
     A GGUF file gets the demo's own tokenizer from its metadata
