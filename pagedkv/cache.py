@@ -37,7 +37,8 @@ _ALLOCATOR_BYTES_PER_PAGE = 3 * 4 + 3 * 8
 _ALLOCATOR_BYTES_PER_CACHED_TOKEN = 4
 
 
-def _check_token_ids(name, token_ids, length=None):
+def _check_token_ids(name: str, token_ids: Sequence[int],
+                     length: Optional[int] = None) -> np.ndarray:
     """Token ids as an int32 array (they are stored and compared as int32)."""
     tokens = check_int_vector(name, token_ids, minimum=-2**31)
     if length is not None and len(tokens) != length:
@@ -212,7 +213,7 @@ class PagedKVCache:
         window_pool = pools[1] if windowed else None
         self._tables = PageTables(
             self._allocator, prefix_hash, self._window_allocator,
-            window_pool.window if window_pool else 0,
+            (window_pool.window or 0) if window_pool else 0,
             window_pool.rollback if window_pool else rollback)
         self._pools = tuple(manager_for(pool, allocator, self._tables)
                             for pool, allocator in zip(pools, allocators))
@@ -465,12 +466,12 @@ class PagedKVCache:
         """
         ids = check_int_vector("seq_ids", seq_ids)
         counts = check_int_vector("num_new_tokens", num_new_tokens, length=len(ids), minimum=0)
-        if token_ids is not None:
-            token_ids = _check_token_ids("token_ids", token_ids, length=int(counts.sum()))
+        tokens = None if token_ids is None else \
+            _check_token_ids("token_ids", token_ids, length=int(counts.sum()))
         t = None
         try:
             t = self._tables.append(ids, counts, self.max_seq_len,
-                                    token_ids if self.prefix_caching else None)
+                                    tokens if self.prefix_caching else None)
             batch = StepBatch(self, self._generation + 1, ids, t)
             for pool in self._pools:
                 if pool.layers:

@@ -17,7 +17,7 @@ positions its window still needs; its window pages before them are never
 taken, so a long sequence fits a small window pool.
 """
 from dataclasses import dataclass, replace
-from typing import NamedTuple, Optional, Tuple
+from typing import Dict, NamedTuple, Optional, Tuple
 
 import numpy as np
 
@@ -130,8 +130,8 @@ class SequenceKV:
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
                 raise ValueError(f"{name}.{field}: expected an int >= 0, got {value!r}"[:200])
-        self = replace(self, **{field: int(getattr(self, field)) for field in
-                                ("num_tokens", "num_kv_heads", "head_dim", "rotation_block")})
+        self = replace(self, num_tokens=int(self.num_tokens), num_kv_heads=int(self.num_kv_heads),
+                       head_dim=int(self.head_dim), rotation_block=int(self.rotation_block))
         if self.num_kv_heads < 1 or self.head_dim < 1:
             raise ValueError(f"{name}: expected num_kv_heads and head_dim >= 1, got "
                              f"{self.num_kv_heads} and {self.head_dim}")
@@ -159,7 +159,7 @@ class SequenceKV:
             elif given is not None:
                 raise ValueError(f"{name}.{field}: {self.dtype} rows have no scales; "
                                  f"expected None")
-        plain = {}
+        plain: Dict[str, Tuple[np.ndarray, ...]] = {}
         for field, (given, dtype, ndim) in arrays.items():
             if not isinstance(given, tuple) or len(given) != len(starts):
                 raise ValueError(f"{name}.{field}: expected a tuple of {len(starts)} arrays "
@@ -180,7 +180,8 @@ class SequenceKV:
                                            ids.shape != (self.num_tokens,)):
             raise ValueError(f"{name}.token_ids: expected None or an int32 array of shape "
                              f"[{self.num_tokens}]")
-        return replace(self, layer_start=starts, **plain,
+        return replace(self, layer_start=starts, keys=plain["keys"], values=plain["values"],
+                       key_scales=plain.get("key_scales"), value_scales=plain.get("value_scales"),
                        token_ids=None if ids is None else np.require(ids, requirements=("C", "A")))
 
 
