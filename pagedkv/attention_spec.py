@@ -9,10 +9,11 @@ variant contract of the kernels (``opencl/pkv_variant.h``) or the planner.
 """
 import math
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import numpy as np
+import numpy.typing as npt
 
 from pagedkv._arrays import FLOAT_DTYPES
 from pagedkv.errors import ArgumentTypeError
@@ -70,6 +71,17 @@ class Band:
     """
     sliding_window: Optional[int] = None
     chunk_size: Optional[int] = None
+
+    def first_visible(self, position: "npt.NDArray[np.int64]") -> "npt.NDArray[np.int64]":
+        """The first key position that the token at each ``position`` sees (an int64
+        array of any shape; the same shape back): the planner's first key of a
+        block's first row, cascade's first key of a sequence's last row."""
+        first = np.zeros_like(position)
+        if self.sliding_window is not None:
+            first = np.maximum(first, position - self.sliding_window + 1)
+        if self.chunk_size is not None:
+            first = np.maximum(first, position // self.chunk_size * self.chunk_size)
+        return first
 
 
 @dataclass(frozen=True, eq=False)
@@ -193,6 +205,11 @@ class AttentionSpec:
         if self.sliding_window is None and self.attention_chunk_size is None:
             return None
         return Band(self.sliding_window, self.attention_chunk_size)
+
+    def without_band(self) -> "AttentionSpec":
+        """This spec with every key up to the query visible: no field of the band
+        (the one place that knows which fields make it)."""
+        return replace(self, sliding_window=None, attention_chunk_size=None)
 
     def with_window(self, window):
         """This spec with ``sliding_window`` narrowed to ``window`` (None: unchanged)."""

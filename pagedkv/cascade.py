@@ -196,11 +196,8 @@ def find_groups(tables: StepTables, page_size: int, band: "Optional[Band]",
 
     first_pos = seq_lens - num_rows         # position of each sequence's first new row
     last_pos = seq_lens - 1
-    lo_key = np.zeros(len(seq_lens), dtype=np.int64)
-    if band is not None and band.sliding_window is not None:
-        lo_key = np.maximum(lo_key, last_pos - band.sliding_window + 1)
-    if band is not None and band.chunk_size is not None:
-        lo_key = np.maximum(lo_key, last_pos // band.chunk_size * band.chunk_size)
+    lo_key = np.zeros(len(seq_lens), dtype=np.int64) if band is None else \
+        band.first_visible(last_pos.astype(np.int64))
 
     big = sizes >= 2
     starts, sizes = starts[big], sizes[big]
@@ -380,7 +377,7 @@ class CascadeAttention:
         # every query of the shared call sees all its keys: no band
         shared_out = backend.attention(
             layer, plan.shared, np.ascontiguousarray(q[plan.rows]),
-            replace(no_sinks, sliding_window=None, attention_chunk_size=None), lse=shared_lse)
+            no_sinks.without_band(), lse=shared_lse)
         if spec.alibi_slopes is not None:
             # the shared call took each row at another position: every logit of
             # the row is off by slope * shift, and so is its log-sum-exp

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import pagedkv
-from reference import TOLERANCE, Harness, dense_attention, round_to_storage
+from reference import TOLERANCE, Harness, dense_attention, round_to_storage, visible_keys
 from test_attention_variants import prefill_decode_chunk
 from test_int8 import Int8Harness
 
@@ -343,3 +343,15 @@ def test_bad_arguments_are_refused_and_change_nothing(backend, kwargs, name):
     np.testing.assert_array_equal(v_after, v_before)
     np.testing.assert_array_equal(h.cache.attention(0, batch, q), before)
     h.step([s], 1, attention_chunk_size=4, alibi_slopes=geometric_slopes(NUM_HEADS))
+
+
+@pytest.mark.parametrize("window,chunk", [(None, None), (5, None), (None, 4), (3, 8), (9, 4),
+                                          (1, 1)])
+def test_a_band_s_first_visible_key_is_the_first_the_reference_shows(window, chunk):
+    """``Band.first_visible``, which the planner and cascade both use, against the
+    reference's visibility mask."""
+    from pagedkv.attention_spec import Band
+    positions = np.arange(40, dtype=np.int64)
+    visible = visible_keys(positions, 40, sliding_window=window, attention_chunk_size=chunk)
+    np.testing.assert_array_equal(Band(window, chunk).first_visible(positions),
+                                  visible.argmax(axis=1))

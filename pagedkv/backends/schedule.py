@@ -118,10 +118,8 @@ def plan_attention(query_start: npt.ArrayLike, seq_lens: npt.ArrayLike, *, num_k
         band_lo = -rows                          # below every key of every row: no bound
     else:
         band_lo = np.maximum(first_pos - sliding_window + 1, -rows)
-    key_begin = np.maximum(band_lo, 0)
-    if chunk is not None:
-        # a block's first row sees the earliest keys: its chunk's start
-        key_begin = np.maximum(key_begin, first_pos // chunk * chunk)
+    # a block's first row sees the earliest keys
+    key_begin = np.zeros_like(first_pos) if band is None else band.first_visible(first_pos)
     inner_skip = None
     if key_cut is not None:
         cut_lo, cut_hi = key_cut.lo[seq], key_cut.hi[seq]
