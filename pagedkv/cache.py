@@ -26,6 +26,7 @@ from pagedkv.backends import backend_class, resolve_backend
 from pagedkv.cascade import CascadeAttention, check_mode as check_cascade_mode
 from pagedkv.checkpoint import Checkpoint, CheckpointBook
 from pagedkv.errors import ArgumentTypeError
+from pagedkv.holdings import CacheHoldings
 from pagedkv.step import StepBatch
 from pagedkv.storage import NAMES as _STORAGE_NAMES, storage_format
 from pagedkv import transfer
@@ -225,6 +226,13 @@ class PagedKVCache:
         self._checkpoints = CheckpointBook(self)
         self._generation = 0
         self._swapped: Dict[int, SequenceKV] = {}   # swapped-out id -> its K/V in host memory
+        # what transfer, files and a step's batch reach of this cache: these same objects
+        self._holdings = CacheHoldings(
+            num_layers=self.num_layers, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+            page_size=self.page_size, storage=self.storage, kv_rotation=self.kv_rotation,
+            layer_windows=self.layer_windows, max_seq_len=self.max_seq_len,
+            prefix_caching=self.prefix_caching, tables=self._tables, pools=self._pools,
+            layer_pool=self._layer_pool, backend=self._backend, swapped=self._swapped)
 
     def __copy__(self):
         raise TypeError("PagedKVCache cannot be copied: two facades over one page table "
@@ -472,7 +480,7 @@ class PagedKVCache:
         try:
             t = self._tables.append(ids, counts, self.max_seq_len,
                                     tokens if self.prefix_caching else None)
-            batch = StepBatch(self, self._generation + 1, ids, t)
+            batch = StepBatch(self, self._holdings, self._attend, self._generation + 1, ids, t)
             for pool in self._pools:
                 if pool.layers:
                     self._backend.prepare_step(pool.step_tables(batch))
@@ -728,7 +736,7 @@ class PagedKVCache:
             the token ids.  Numpy and plain metadata only: it pickles and is
             independent of backend, page size and process.
         """
-        return transfer.export_sequence(self, seq_id)
+        return transfer.export_sequence(self._holdings, seq_id)
 
     @exclusive
     def import_sequence(self, kv: SequenceKV) -> int:
@@ -753,7 +761,7 @@ class PagedKVCache:
         OutOfPagesError
             Too few free pages in either pool.  Nothing changed.
         """
-        return transfer.import_sequence(self, transfer.check_fits(self, kv))
+        return transfer.import_sequence(self._holdings, transfer.check_fits(self._holdings, kv))
 
     @exclusive
     def swap_out(self, seq_id: int) -> None:
@@ -766,7 +774,7 @@ class PagedKVCache:
         a ``ValueError`` saying it is swapped out; ``seq_len``, ``free``,
         ``checkpoint`` and ``export_sequence`` work.
         """
-        transfer.swap_out(self, seq_id)
+        transfer.swap_out(self._holdings, seq_id)
         self._generation += 1
 
     @exclusive
@@ -781,7 +789,7 @@ class PagedKVCache:
         OutOfPagesError
             Too few free pages; it stays swapped out and nothing changed.
         """
-        transfer.swap_in(self, seq_id)
+        transfer.swap_in(self._holdings, seq_id)
 
     @exclusive
     def is_swapped(self, seq_id: int) -> bool:
@@ -818,7 +826,7 @@ class PagedKVCache:
             The file could not be written (nothing at ``path`` changed).
         """
         from pagedkv import kv_file
-        kv_file.save(self, path, seq_ids)
+        kv_file.save(self._holdings, path, seq_ids)
 
     @exclusive
     def load(self, path: Any) -> List[int]:
@@ -845,7 +853,7 @@ class PagedKVCache:
             Too few free pages.  Either way nothing changed.
         """
         from pagedkv import kv_file
-        return kv_file.load(self, path)
+        return kv_file.load(self._holdings, path)
 
     def __repr__(self) -> str:
         return (f"PagedKVCache(num_layers={self.num_layers}, num_kv_heads={self.num_kv_heads}, "

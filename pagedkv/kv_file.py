@@ -33,6 +33,7 @@ import reprlib
 import secrets
 import zlib
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -40,6 +41,7 @@ from pagedkv import transfer
 from pagedkv._validate import check_int_vector
 from pagedkv.backends.base import StoredRows
 from pagedkv.errors import ArgumentTypeError, OutOfPagesError
+from pagedkv.holdings import CacheHoldings
 from pagedkv.storage import storage_format
 
 FORMAT_VERSION = "1"
@@ -78,16 +80,18 @@ def _pages_for(num_tokens, page_size):
 
 
 # -- what goes into a file ---------------------------------------------------------------
-def _configuration(cache):
-    return {"num_layers": cache.num_layers, "num_kv_heads": cache.num_kv_heads,
-            "head_dim": cache.head_dim, "num_pages": cache._allocator.num_pages,
-            "page_size": cache.page_size, "dtype": cache.storage.name,
-            "max_seq_len": cache.max_seq_len, "enable_prefix_caching": cache.prefix_caching,
-            "layer_windows": list(cache.layer_windows),
-            "num_window_pages": cache._window_allocator.num_pages
-            if cache._window_allocator is not None else None,
-            "window_rollback_tokens": cache._tables.rollback,
-            "kv_rotation": cache.kv_rotation}
+def _configuration(holdings: CacheHoldings) -> Dict[str, Any]:
+    """The saving cache's configuration, under the constructor's argument names."""
+    window_pool = holdings.window_pool
+    return {"num_layers": holdings.num_layers, "num_kv_heads": holdings.num_kv_heads,
+            "head_dim": holdings.head_dim, "num_pages": holdings.full_pool.allocator.num_pages,
+            "page_size": holdings.page_size, "dtype": holdings.storage.name,
+            "max_seq_len": holdings.max_seq_len, "enable_prefix_caching": holdings.prefix_caching,
+            "layer_windows": list(holdings.layer_windows),
+            "num_window_pages": window_pool.allocator.num_pages
+            if window_pool is not None else None,
+            "window_rollback_tokens": holdings.tables.rollback,
+            "kv_rotation": holdings.kv_rotation}
 
 
 def _row_tensors(prefix, rows_of_layers):
@@ -100,19 +104,19 @@ def _row_tensors(prefix, rows_of_layers):
     return tensors
 
 
-def _export_chains(cache):
+def _export_chains(holdings: CacheHoldings) -> Tuple[Dict[str, np.ndarray], Dict[str, int]]:
     """The prefix cache's reachable pages: tensors and their count per pool."""
-    chains = cache._tables.cached_chains()
+    chains = holdings.tables.cached_chains()
     if not len(chains["pages"]):
         return {}, {"num_pages": 0, "num_window_pages": 0}
-    ps = cache.page_size
+    ps = holdings.page_size
     has_window = chains["window_pages"] >= 0
     offsets = np.arange(ps, dtype=np.int64)
     slots = {False: (chains["pages"][:, None].astype(np.int64) * ps + offsets).ravel(),
              True: (chains["window_pages"][has_window][:, None].astype(np.int64) * ps
                     + offsets).ravel()}
-    rows = [cache._backend.read_rows(layer, slots[pool.in_window_lists])
-            for layer, pool in enumerate(cache._layer_pool)]
+    rows = [holdings.backend.read_rows(layer, slots[pool.in_window_lists])
+            for layer, pool in enumerate(holdings.layer_pool)]
     tensors = {"prefix_cache.token_ids": np.ascontiguousarray(chains["tokens"]),
                "prefix_cache.parents": chains["parents"],
                "prefix_cache.has_window": has_window.astype(np.uint8)}
@@ -142,19 +146,19 @@ def checksum(metadata, tensors):
     return f"{_CHECKSUM}:{zlib.crc32(text.encode()):08x}"
 
 
-def save(cache, path, seq_ids=None):
+def save(holdings: CacheHoldings, path: Any, seq_ids: Optional[Sequence[int]] = None) -> None:
     """``cache.save``: see its docstring."""
     path = _check_path(path)
     st = _safetensors()
     if seq_ids is None:
-        ids = cache._tables.ids()
+        ids = holdings.tables.ids()
     else:
         ids = check_int_vector("seq_ids", seq_ids).tolist()
         if len(set(ids)) != len(ids):
             raise ValueError(f"seq_ids: expected distinct ids, got {ids}"[:200])
     for seq_id in ids:
-        cache._tables.seq_len(seq_id)       # unknown ids fail before anything is written
-    kvs = [transfer.export_sequence(cache, seq_id, copy=False) for seq_id in ids]
+        holdings.tables.seq_len(seq_id)     # unknown ids fail before anything is written
+    kvs = [transfer.export_sequence(holdings, seq_id, copy=False) for seq_id in ids]
     tensors, sequences = {}, []
     for i, kv in enumerate(kvs):
         tensors.update(_row_tensors(f"sequence.{i}", [kv.rows(layer)
@@ -164,12 +168,12 @@ def save(cache, path, seq_ids=None):
         sequences.append({"num_tokens": kv.num_tokens, "layer_start": list(kv.layer_start),
                           "token_ids": kv.token_ids is not None})
     chains = {"num_pages": 0, "num_window_pages": 0}
-    if cache.prefix_caching:
-        chain_tensors, chains = _export_chains(cache)
+    if holdings.prefix_caching:
+        chain_tensors, chains = _export_chains(holdings)
         tensors.update(chain_tensors)
-    metadata = {name: json.dumps(value) for name, value in _configuration(cache).items()}
+    metadata = {name: json.dumps(value) for name, value in _configuration(holdings).items()}
     metadata.update(pagedkv_format_version=FORMAT_VERSION,
-                    rotation_block=json.dumps(cache.storage.rotation_block),
+                    rotation_block=json.dumps(holdings.storage.rotation_block),
                     sequences=json.dumps(sequences), prefix_cache=json.dumps(chains))
     metadata["checksum"] = checksum(metadata, tensors)
     _write_atomically(st, path, tensors, metadata)
@@ -432,41 +436,43 @@ class _Contents:
         return chains._replace(rows=tuple(rows))
 
 
-def load(cache, path):
+def load(holdings: CacheHoldings, path: Any) -> List[int]:
     """``cache.load``: see its docstring."""
     path = _check_path(path)
     contents = _Contents(path, *_read(path))
     for key in ("num_layers", "num_kv_heads", "head_dim"):
-        if contents.config[key] != getattr(cache, key):
+        if contents.config[key] != getattr(holdings, key):
             raise _FileError(path, f"{key}: the file's K/V have {key}={contents.config[key]}, "
-                                   f"this cache {getattr(cache, key)}")
+                                   f"this cache {getattr(holdings, key)}")
     starts = []
     for i, kv in enumerate(contents.sequences):
         try:
-            transfer.check_fits(cache, kv, f"sequences[{i}]")
-            starts.append(transfer.window_start(cache, kv))
+            transfer.check_fits(holdings, kv, f"sequences[{i}]")
+            starts.append(transfer.window_start(holdings, kv))
         except ValueError as exc:
             raise _FileError(path, str(exc)) from None
-    ps = cache.page_size
+    ps = holdings.page_size
+    full, window = holdings.full_pool.allocator, holdings.window_pool
+    window_allocator = window.allocator if window is not None else None
     pages = sum(_pages_for(kv.num_tokens, ps) for kv in contents.sequences)
     window_pages = sum(_pages_for(kv.num_tokens, ps) - start // ps
                        for kv, start in zip(contents.sequences, starts)) \
-        if cache._window_allocator is not None else 0
-    if pages > cache._allocator.num_free:
+        if window_allocator is not None else 0
+    if pages > full.num_free:
         raise OutOfPagesError(f"load: {path}: its sequences need {pages} pages, "
-                              f"{cache._allocator.num_free} of {cache._allocator.num_pages} free")
-    if window_pages and window_pages > cache._window_allocator.num_free:
+                              f"{full.num_free} of {full.num_pages} free")
+    if window_allocator is not None and window_pages > window_allocator.num_free:
         raise OutOfPagesError(f"load: {path}: its sequences need {window_pages} window pages, "
-                              f"{cache._window_allocator.num_free} of "
-                              f"{cache._window_allocator.num_pages} free in the window pool")
-    first_id = cache._tables.next_id
+                              f"{window_allocator.num_free} of "
+                              f"{window_allocator.num_pages} free in the window pool")
+    first_id = holdings.tables.next_id
     try:
-        if contents.chains is not None and cache.prefix_caching:
-            transfer.add_cached_chains(cache, contents.chains, pages, window_pages)
-        return [transfer.import_sequence(cache, kv, start)
+        if contents.chains is not None and holdings.prefix_caching:
+            transfer.add_cached_chains(holdings, contents.chains, pages, window_pages)
+        return [transfer.import_sequence(holdings, kv, start)
                 for kv, start in zip(contents.sequences, starts)]
     except BaseException:
         # all or nothing: the sequences placed so far go, ids and all (the
         # chains entered stay in the prefix cache, as free, evictable pages)
-        cache._tables.undo_adopt(first_id)
+        holdings.tables.undo_adopt(first_id)
         raise

@@ -8,7 +8,8 @@ from pagedkv.backends.base import StepTables
 if TYPE_CHECKING:   # annotations only: importing them here would be circular
     from pagedkv._page_table import AppendTables
     from pagedkv.cache import PagedKVCache
-    from pagedkv.cascade import Sharing
+    from pagedkv.cascade import CascadeAttention, Sharing
+    from pagedkv.holdings import CacheHoldings
 
 
 def _frozen(array: np.ndarray) -> np.ndarray:
@@ -89,7 +90,8 @@ class StepBatch(_ReadOnlyTables):
     step before the next of those calls.
     """
 
-    def __init__(self, cache: "PagedKVCache", generation: int, seq_ids: np.ndarray,
+    def __init__(self, cache: "PagedKVCache", holdings: "CacheHoldings",
+                 attend: "CascadeAttention", generation: int, seq_ids: np.ndarray,
                  tables: "AppendTables"):
         private = {name: _frozen(getattr(tables, name))
                    for name in ("query_start", "seq_lens", "page_indptr", "last_page_len")}
@@ -97,7 +99,8 @@ class StepBatch(_ReadOnlyTables):
             private[name] = _frozen(getattr(tables.full, name))
         private["seq_ids"] = _frozen(seq_ids)
         super().__init__(private)
-        self._cache = cache
+        self._cache = cache             # whose step it is: the only cache that takes it
+        self._attend = attend
         self._generation = generation
         self._stored_layers: Set[int] = set()
         p = private
@@ -106,12 +109,12 @@ class StepBatch(_ReadOnlyTables):
         # (a fork, import or prefix hit makes a new sequence, outside the step)
         self._tables = StepTables(p["query_start"], p["seq_lens"], p["slot_mapping"],
                                   p["page_indptr"], p["page_indices"],
-                                  may_share=cache._allocator.num_shared_pages > 0)
+                                  may_share=holdings.full_pool.allocator.num_shared_pages > 0)
         self.window_tables: Optional[WindowTables] = None
         self._window_tables: Optional[StepTables] = None
         if tables.window is not None:
-            window_allocator = cache._window_allocator
-            assert window_allocator is not None     # a window pool's tables come with its pages
+            window_pool = holdings.window_pool
+            assert window_pool is not None      # a window pool's tables come with its pages
             window = {"page_indptr": p["page_indptr"], "last_page_len": p["last_page_len"]}
             for name in ("slot_mapping", "page_indices", "block_table"):
                 window[name] = _frozen(getattr(tables.window, name))
@@ -119,7 +122,7 @@ class StepBatch(_ReadOnlyTables):
             self._window_tables = StepTables(
                 p["query_start"], p["seq_lens"], window["slot_mapping"], p["page_indptr"],
                 window["page_indices"],
-                may_share=window_allocator.num_shared_pages > 0)
+                may_share=window_pool.allocator.num_shared_pages > 0)
 
     seq_ids = property(lambda self: self._view("seq_ids"))
     query_start = property(lambda self: self._view("query_start"))
@@ -132,7 +135,7 @@ class StepBatch(_ReadOnlyTables):
         read once per group, reads saved per layer and KV head) for the
         full-attention layers under the cache's ``cascade`` setting (all zero
         with ``"off"`` or nothing shared)."""
-        return self._cache._attend.sharing(self._tables)
+        return self._attend.sharing(self._tables)
 
     @property
     def num_seqs(self) -> int:

@@ -20,11 +20,12 @@ from dataclasses import dataclass, replace
 from typing import Dict, NamedTuple, Optional, Tuple
 
 import numpy as np
+import numpy.typing as npt
 
 from pagedkv.backends.base import StepTables, StoredRows
 from pagedkv.backends.host import decode_rows
 from pagedkv.errors import ArgumentTypeError, OutOfPagesError
-from pagedkv.pools import SLIDING_WINDOW
+from pagedkv.holdings import CacheHoldings
 from pagedkv.storage import NAMES as STORAGE_NAMES, StorageFormat, storage_format
 
 
@@ -205,15 +206,6 @@ def layer_arrays(storage, rows):
             for field, part in _LAYER_FIELDS.items()}
 
 
-def _window_pool(cache):
-    """The cache's sliding-window pool manager, or None."""
-    # (a loop: an unfinished generator is closed later, where an error raised in it is lost)
-    for pool in cache._pools:
-        if pool.spec.attention == SLIDING_WINDOW:
-            return pool
-    return None
-
-
 def rows_in_one_buffer(storage, counts, num_kv_heads, head_dim):
     """Empty StoredRows of ``counts[l]`` rows per layer, views of one new buffer.
 
@@ -242,55 +234,56 @@ def rows_in_one_buffer(storage, counts, num_kv_heads, head_dim):
     return rows
 
 
-def export_sequence(cache, seq_id, copy=True):
+def export_sequence(holdings: CacheHoldings, seq_id: int, copy: bool = True) -> SequenceKV:
     """``cache.export_sequence``: a copy of the sequence's stored rows.
 
     ``copy=False``: a swapped-out sequence's K/V as the cache holds them
     (read-only), for a caller that reads them and hands them to nobody.
     """
-    tables = cache._tables
+    tables = holdings.tables
     if tables.is_swapped(seq_id):
-        kv = cache._swapped[int(seq_id)]
+        kv = holdings.swapped[int(seq_id)]
         return kv.copy() if copy else kv
     length = tables.seq_len(seq_id)
-    held_from = {pool.name: pool.held_from(seq_id) for pool in cache._pools}
+    held_from = {pool.name: pool.held_from(seq_id) for pool in holdings.pools}
     slots = {pool.name: pool.slots(seq_id, held_from[pool.name], length)
-             for pool in cache._pools}
-    layer_start = [held_from[pool.name] for pool in cache._layer_pool]
-    rows = rows_in_one_buffer(cache.storage, [length - start for start in layer_start],
-                              cache.num_kv_heads, cache.head_dim)
-    for layer, pool in enumerate(cache._layer_pool):
-        cache._backend.read_rows(layer, slots[pool.name], rows[layer])
-    tokens = tables.known_tokens(seq_id) if cache.prefix_caching else None
+             for pool in holdings.pools}
+    layer_start = [held_from[pool.name] for pool in holdings.layer_pool]
+    rows = rows_in_one_buffer(holdings.storage, [length - start for start in layer_start],
+                              holdings.num_kv_heads, holdings.head_dim)
+    for layer, pool in enumerate(holdings.layer_pool):
+        holdings.backend.read_rows(layer, slots[pool.name], rows[layer])
+    tokens = tables.known_tokens(seq_id) if holdings.prefix_caching else None
     return SequenceKV(
-        num_tokens=length, num_kv_heads=cache.num_kv_heads, head_dim=cache.head_dim,
-        dtype=cache.storage.name, rotation_block=cache.storage.rotation_block,
-        layer_start=tuple(layer_start), **layer_arrays(cache.storage, rows),
+        num_tokens=length, num_kv_heads=holdings.num_kv_heads, head_dim=holdings.head_dim,
+        dtype=holdings.storage.name, rotation_block=holdings.storage.rotation_block,
+        layer_start=tuple(layer_start), **layer_arrays(holdings.storage, rows),
         token_ids=tokens if tokens is not None and len(tokens) == length else None)
 
 
-def check_fits(cache, kv, name="kv"):
+def check_fits(holdings: CacheHoldings, kv: object, name: str = "kv") -> SequenceKV:
     """ValueError (naming the field) unless ``kv`` is a consistent SequenceKV of
     this cache's shape; returns what :meth:`SequenceKV.check` returns, which
     is what to place."""
     if not isinstance(kv, SequenceKV):
         raise ArgumentTypeError(f"{name}: expected a pagedkv.SequenceKV (from "
                                 f"export_sequence), got {type(kv).__name__}")
-    kv = kv.check(name)
+    checked = kv.check(name)
     for field in ("num_layers", "num_kv_heads", "head_dim"):
-        if getattr(kv, field) != getattr(cache, field):
-            raise ValueError(f"{name}.{field}: this cache has {field}={getattr(cache, field)}, "
-                             f"the sequence's K/V {getattr(kv, field)}")
-    limit = min(cache.max_seq_len or 2**31 - 1, 2**31 - 1)
-    if kv.num_tokens > limit:
-        raise ValueError(f"{name}.num_tokens: {kv.num_tokens} tokens, over this cache's "
-                         + (f"max_seq_len={cache.max_seq_len}" if cache.max_seq_len
+        if getattr(checked, field) != getattr(holdings, field):
+            raise ValueError(f"{name}.{field}: this cache has {field}="
+                             f"{getattr(holdings, field)}, the sequence's K/V "
+                             f"{getattr(checked, field)}")
+    limit = min(holdings.max_seq_len or 2**31 - 1, 2**31 - 1)
+    if checked.num_tokens > limit:
+        raise ValueError(f"{name}.num_tokens: {checked.num_tokens} tokens, over this cache's "
+                         + (f"max_seq_len={holdings.max_seq_len}" if holdings.max_seq_len
                             else "int32 limit of the tables"))
-    return kv
+    return checked
 
 
-def window_start(cache, kv, trim=True):
-    """The first position the windowed layers of ``cache`` hold of ``kv``, or
+def window_start(holdings: CacheHoldings, kv: SequenceKV, trim: bool = True) -> int:
+    """The first position the windowed layers of the cache hold of ``kv``, or
     ValueError naming a layer that needs positions ``kv`` lacks.
 
     Full-attention layers hold every position.  Windowed layers hold the rows
@@ -301,15 +294,15 @@ def window_start(cache, kv, trim=True):
     window and ``window_rollback_tokens``), so that no window page is taken
     for positions no query can see.
     """
-    length, page_size = kv.num_tokens, cache.page_size
-    windows = cache.layer_windows
+    length, page_size = kv.num_tokens, holdings.page_size
+    windows = holdings.layer_windows
     for layer, window in enumerate(windows):
         if window is None and kv.layer_start[layer] > 0:
             raise ValueError(
                 f"layer_start: layer {layer} is a full-attention layer of this cache and needs "
                 f"K/V from position 0; the sequence's K/V of layer {layer} start at position "
                 f"{kv.layer_start[layer]}")
-    window_pool = _window_pool(cache)
+    window_pool = holdings.window_pool
     if window_pool is None:
         return 0
     windowed = window_pool.layers
@@ -318,23 +311,26 @@ def window_start(cache, kv, trim=True):
         keep = window_pool.spec.keep_from(length, length)
         start = max(start, keep // page_size * page_size)
     for layer in windowed:
-        need = max(0, length - windows[layer] + 1)
+        window = windows[layer]
+        assert window is not None       # the window pool's layers are the windowed ones
+        need = max(0, length - window + 1)
         if start > need:
             raise ValueError(
-                f"layer_start: layer {layer} (sliding window {windows[layer]}) needs K/V from "
+                f"layer_start: layer {layer} (sliding window {window}) needs K/V from "
                 f"position {need} of {length}; the sequence's K/V of layer "
                 f"{max(windowed, key=lambda w: kv.layer_start[w])} start at position {held}")
     return min(start, length)
 
 
-def write_rows(cache, layer, slots, rows, storage):
+def write_rows(holdings: CacheHoldings, layer: int, slots: npt.NDArray[np.int64],
+               rows: StoredRows, storage: StorageFormat) -> None:
     """Write stored rows of format ``storage`` at ``slots`` of ``layer``: the bits
     as they are when the formats agree, else their float32 values through
     ``store`` (converted as stored values are)."""
     if not len(slots):
         return
-    if storage == cache.storage:
-        cache._backend.write_rows(layer, slots, rows)
+    if storage == holdings.storage:
+        holdings.backend.write_rows(layer, slots, rows)
         return
     k = decode_rows(storage, rows.k, rows.k_scales)
     v = decode_rows(storage, rows.v, rows.v_scales)
@@ -342,50 +338,49 @@ def write_rows(cache, layer, slots, rows, storage):
     tables = StepTables(query_start=np.array([0, n], np.int32),
                         seq_lens=np.array([n], np.int32), slot_mapping=slots,
                         page_indptr=np.zeros(2, np.int32), page_indices=np.zeros(0, np.int32))
-    cache._backend.prepare_step(tables)
-    cache._backend.store(layer, tables, k, v)
+    holdings.backend.prepare_step(tables)
+    holdings.backend.store(layer, tables, k, v)
 
 
-def write_sequence(cache, kv, seq_id, start):
+def write_sequence(holdings: CacheHoldings, kv: SequenceKV, seq_id: int, start: int) -> None:
     """Fill the placed sequence ``seq_id`` from ``kv``; windowed layers from ``start``."""
     storage = kv.storage
-    first = {pool.name: pool.import_start(start) for pool in cache._pools}
+    first = {pool.name: pool.import_start(start) for pool in holdings.pools}
     slots = {pool.name: pool.slots(seq_id, first[pool.name], kv.num_tokens)
-             for pool in cache._pools}
-    for layer, pool in enumerate(cache._layer_pool):
-        write_rows(cache, layer, slots[pool.name], kv.rows(layer, first[pool.name]), storage)
+             for pool in holdings.pools}
+    for layer, pool in enumerate(holdings.layer_pool):
+        write_rows(holdings, layer, slots[pool.name], kv.rows(layer, first[pool.name]), storage)
 
 
-def import_sequence(cache, kv, start=None):
+def import_sequence(holdings: CacheHoldings, kv: SequenceKV, start: Optional[int] = None) -> int:
     """``cache.import_sequence``: a new sequence holding ``kv``'s K/V (checked
     already; ``start``: its :func:`window_start`, when known)."""
-    if start is None:
-        start = window_start(cache, kv)
-    tokens = kv.token_ids if cache.prefix_caching else None
-    return cache._tables.adopt(kv.num_tokens, tokens, start // cache.page_size,
-                               lambda seq_id: write_sequence(cache, kv, seq_id, start),
-                               first_row=start)
+    first = window_start(holdings, kv) if start is None else start
+    tokens = kv.token_ids if holdings.prefix_caching else None
+    return holdings.tables.adopt(kv.num_tokens, tokens, first // holdings.page_size,
+                                 lambda seq_id: write_sequence(holdings, kv, seq_id, first),
+                                 first_row=first)
 
 
-def swap_out(cache, seq_id):
+def swap_out(holdings: CacheHoldings, seq_id: int) -> None:
     """``cache.swap_out``: the sequence's K/V to host memory, its pages to the pools."""
-    kv = export_sequence(cache, seq_id)
+    kv = export_sequence(holdings, seq_id)
     for array in kv.keys + kv.values + (kv.key_scales or ()) + (kv.value_scales or ()) + \
             ((kv.token_ids,) if kv.token_ids is not None else ()):
         array.setflags(write=False)       # the cache's own: nothing may change them
-    cache._tables.swap_out(seq_id)
-    cache._swapped[int(seq_id)] = kv
+    holdings.tables.swap_out(seq_id)
+    holdings.swapped[int(seq_id)] = kv
 
 
-def swap_in(cache, seq_id):
+def swap_in(holdings: CacheHoldings, seq_id: int) -> None:
     """``cache.swap_in``: the sequence's K/V back on new pages, as they were."""
-    if not cache._tables.is_swapped(seq_id):
+    if not holdings.tables.is_swapped(seq_id):
         raise ValueError(f"seq_id: sequence {seq_id} is not swapped out")
-    kv = cache._swapped[int(seq_id)]
-    start = window_start(cache, kv, trim=False)
-    cache._tables.swap_in(seq_id, start // cache.page_size,
-                          lambda s: write_sequence(cache, kv, s, start), first_row=start)
-    del cache._swapped[int(seq_id)]
+    kv = holdings.swapped[int(seq_id)]
+    start = window_start(holdings, kv, trim=False)
+    holdings.tables.swap_in(seq_id, start // holdings.page_size,
+                            lambda s: write_sequence(holdings, kv, s, start), first_row=start)
+    del holdings.swapped[int(seq_id)]
 
 
 class CachedChains(NamedTuple):
@@ -542,7 +537,8 @@ def _positions(chains, depth, end, first, page_size):
     return node, offset
 
 
-def add_cached_chains(cache, chains, reserve, reserve_window):
+def add_cached_chains(holdings: CacheHoldings, chains: CachedChains, reserve: int,
+                      reserve_window: int) -> int:
     """Enter ``chains`` in the cache's prefix cache, cut into its page size, converted
     to its format; only pages whose K/V every layer here needs are held (and
     then their descendants).  ``reserve``: pages kept free for what comes next.
@@ -550,9 +546,9 @@ def add_cached_chains(cache, chains, reserve, reserve_window):
     Chains that cannot fit are refused (``OutOfPagesError``) before any work in
     proportion to the pages they would fill.
     """
-    page_size = cache.page_size
-    full_layers = cache._pools[0].layers
-    window_pool = _window_pool(cache)
+    page_size = holdings.page_size
+    full_layers = holdings.full_pool.layers
+    window_pool = holdings.window_pool
     windowed = window_pool.layers if window_pool is not None else ()
     recut = _recut(chains, page_size, full_layers, windowed)
     held = np.flatnonzero(recut.held)
@@ -562,7 +558,7 @@ def add_cached_chains(cache, chains, reserve, reserve_window):
     has_window = recut.held_window[keep] if windowed else np.zeros(len(keep), bool)
     # A page already cached here needs no new page, and there are at most
     # num_pages of those: chains beyond that and the free pages cannot fit.
-    for pool, count, reserved in ((cache._pools[0], len(keep), reserve),
+    for pool, count, reserved in ((holdings.full_pool, len(keep), reserve),
                                   (window_pool, int(has_window.sum()), reserve_window)):
         if pool is not None and count > pool.allocator.num_pages + pool.allocator.num_free \
                 - reserved:
@@ -587,10 +583,10 @@ def add_cached_chains(cache, chains, reserve, reserve_window):
     token_ids = np.ascontiguousarray(chains.token_ids[node, offset])
     offsets = np.arange(page_size, dtype=np.int64)
 
-    def write(pages, window_pages):
+    def write(pages: npt.NDArray[np.int32], window_pages: npt.NDArray[np.int32]) -> None:
         targets_of = {pool.name: window_pages if pool.in_window_lists else pages
-                      for pool in cache._pools}
-        for layer, pool in enumerate(cache._layer_pool):
+                      for pool in holdings.pools}
+        for layer, pool in enumerate(holdings.layer_pool):
             targets = targets_of[pool.name]
             chosen = np.flatnonzero(targets >= 0)
             slots = (targets[chosen, None].astype(np.int64) * page_size + offsets).ravel()
@@ -600,8 +596,8 @@ def add_cached_chains(cache, chains, reserve, reserve_window):
                 at = slice(int(at[0]), int(at[0]) + len(at))     # in order: views, no copy
             rows = StoredRows(*(None if a is None else a[at]     # type: ignore[arg-type]
                                 for a in chains.rows[layer]))
-            write_rows(cache, layer, slots, rows, chains.storage)
+            write_rows(holdings, layer, slots, rows, chains.storage)
 
-    return cache._tables.add_cached_chains(token_ids, np.ascontiguousarray(parents),
-                                           np.ascontiguousarray(has_window), write, reserve,
-                                           reserve_window)
+    return holdings.tables.add_cached_chains(token_ids, np.ascontiguousarray(parents),
+                                             np.ascontiguousarray(has_window), write, reserve,
+                                             reserve_window)

@@ -525,11 +525,11 @@ def test_window_pages_start_no_later_than_the_next_query_sees(backend, windows, 
     for window_from in range(edge + 1, num_pages + 1):
         with pytest.raises(ValueError, match=f"window_from: .* expected window_from <= {edge}, "
                                              f"got {window_from}"):
-            pagedkv.transfer.import_sequence(cache, kv, window_from * 4)
+            pagedkv.transfer.import_sequence(cache._holdings, kv, window_from * 4)
         with pytest.raises(ValueError, match="window_from"):
             cache._tables.swap_in(swapped, window_from)
         assert state() == before
-    t = pagedkv.transfer.import_sequence(cache, kv, edge * 4)
+    t = pagedkv.transfer.import_sequence(cache._holdings, kv, edge * 4)
     assert cache.window_page_count(t) == num_pages - edge
     for layer in range(L):
         start = 0 if windows[layer] is None else edge * 4
