@@ -35,7 +35,11 @@ sequence made for K/V that come from elsewhere (``adopt``) gets new pages,
 its window pages before its first needed position given back from the
 start; a swapped-out sequence keeps its id, length and token ids but no
 pages: it sits in ``swapped`` instead of the sequence map, so no table of it
-can reach a kernel, and ``find`` says it is swapped out.
+can reach a kernel, and ``find`` says it is swapped out.  Placing K/V
+(``adopt``, ``swap_in``, ``add_cached_chains``) is three calls, as a step
+is: the call reserves the pages, all or nothing; the caller writes the K/V;
+then ``commit_place`` / ``commit_cached_chains`` enter them in the prefix
+cache, or ``undo_place`` / ``undo_cached_chains`` take everything back.
 """
 import numbers
 
@@ -728,6 +732,13 @@ cdef class PageTables:
     cdef vector[PkvForgotten] undo_forgotten
     cdef vector[PkvPendingPage] undo_pending
     cdef vector[pair[int64_t, int64_t]] undo_open_seqs
+    # the sequence ``adopt`` or ``swap_in`` placed last, while its K/V are being
+    # written (-1: none), and its swapped-out entry (None: it was adopted)
+    cdef int64_t placing
+    cdef object placing_swapped
+    # what ``add_cached_chains`` reserved, while its K/V are being written (None:
+    # nothing): token ids, parents, hashes, the pages held and those new
+    cdef tuple chains_pending
 
     def __cinit__(self, PageAllocator allocator, hash_fn=None,
                   PageAllocator window_allocator=None, int64_t window=0, int64_t rollback=1):
@@ -753,6 +764,7 @@ cdef class PageTables:
         self.num_reused_tokens = 0
         self.swapped = {}
         self.undo_armed = False
+        self.placing = -1
 
     cdef uint64_t page_hash(self, uint64_t parent_hash, const int32_t* tokens) except? 0:
         if self.hash_fn is None:
@@ -1364,7 +1376,7 @@ cdef class PageTables:
         self.seqs.erase(<int64_t>seq_id)
         self.swapped[int(seq_id)] = entry
 
-    def adopt(self, int64_t length, token_ids=None, int64_t window_from=0, write=None,
+    def adopt(self, int64_t length, token_ids=None, int64_t window_from=0,
               int64_t first_row=-1):
         """A new sequence of ``length`` tokens on new pages, for K/V that come from
         elsewhere (import, load); returns its id.
@@ -1375,10 +1387,11 @@ cdef class PageTables:
         ``window_from``; -1: that page's first), so that no rollback reaches
         the rows of that page before it.  ``token_ids`` (int32,
         at most ``length``: the leading tokens the cache will know, with
-        prefix caching) extend into its hash chain.  ``write(seq_id)`` then
-        fills its K/V; once it returns, the full pages of known tokens join
-        the prefix cache, as a stored step's pages would.  If ``write``
-        raises, the sequence is dropped and the error propagates.
+        prefix caching) extend into its hash chain.  The caller then writes
+        its K/V and calls ``commit_place`` (the full pages of known tokens
+        join the prefix cache, as a stored step's pages would), or
+        ``undo_place`` if the writing failed (the sequence goes, and its id
+        is issued again).
 
         Raises
         ------
@@ -1386,8 +1399,9 @@ cdef class PageTables:
             Too few free pages in either pool; nothing changed.
         """
         seq_id = self.next_id
-        self.place(seq_id, length, token_ids, window_from, first_row, write, "import")
+        self.place(seq_id, length, token_ids, window_from, first_row, "import")
         self.next_id += 1
+        self.placing, self.placing_swapped = seq_id, None
         return seq_id
 
     def undo_adopt(self, int64_t first_id):
@@ -1401,22 +1415,50 @@ cdef class PageTables:
                 self.seqs.erase(seq_id)
         self.next_id = min(self.next_id, first_id)
 
-    def swap_in(self, seq_id, int64_t window_from=0, write=None, int64_t first_row=-1):
+    def swap_in(self, seq_id, int64_t window_from=0, int64_t first_row=-1):
         """Give a swapped-out sequence new pages (as ``adopt`` does, its window pages
         before ``window_from`` given back, its rows from ``first_row`` on) and its
-        id, length and token ids again;
-        ``write(seq_id)`` fills its K/V.  All or nothing: it stays swapped out
-        when this raises (``OutOfPagesError``, or ``write``'s error)."""
+        id, length and token ids again.  The caller then writes its K/V and
+        calls ``commit_place``, or ``undo_place`` (it is swapped out again).
+        All or nothing: it stays swapped out when this raises
+        (``OutOfPagesError``)."""
         entry = self.swapped_entry(seq_id)
         if entry is None:
             self.find(seq_id)
             raise ValueError(f"seq_id: sequence {seq_id} is not swapped out")
-        self.place(int(seq_id), entry[0], entry[1], window_from, first_row, write, "swap_in")
+        self.place(int(seq_id), entry[0], entry[1], window_from, first_row, "swap_in")
         del self.swapped[int(seq_id)]
+        self.placing, self.placing_swapped = int(seq_id), entry
 
+    def commit_place(self):
+        """The K/V of the sequence ``adopt`` or ``swap_in`` placed are written: its full
+        pages of known tokens join the prefix cache.  A no-op when nothing is
+        placed (or the placed sequence is gone)."""
+        cdef int64_t seq_id = self.placing
+        self.placing, self.placing_swapped = -1, None
+        it = self.seqs.find(seq_id)
+        if seq_id >= 0 and it != self.seqs.end():
+            self.cache_known_pages(&deref(it).second)
+
+    def undo_place(self):
+        """Take back the last ``adopt`` or ``swap_in`` whose K/V could not be written:
+        the sequence goes (an adopted one's id is issued again; a swapped-in
+        one is swapped out again, as it was).  A no-op when nothing is placed."""
+        cdef int64_t seq_id = self.placing
+        entry = self.placing_swapped
+        self.placing, self.placing_swapped = -1, None
+        it = self.seqs.find(seq_id)
+        if seq_id < 0 or it == self.seqs.end():
+            return
+        self.drop(&deref(it).second)
+        self.seqs.erase(seq_id)
+        if entry is not None:
+            self.swapped[seq_id] = entry
+        elif seq_id == self.next_id - 1:
+            self.next_id = seq_id
 
     cdef place(self, int64_t seq_id, int64_t length, token_ids, int64_t window_from,
-               int64_t first_row, write, str caller):
+               int64_t first_row, str caller):
         """``adopt`` and ``swap_in``: sequence ``seq_id`` of ``length`` tokens on new pages."""
         cdef int64_t ps = self.page_size, j, needed, num_pages = pages_for(length, ps)
         cdef const int32_t[::1] tokens
@@ -1455,14 +1497,6 @@ cdef class PageTables:
                        first_row if pool.gives_back else 0)
         seq.length = length
         self.seqs[seq_id] = seq
-        try:
-            if write is not None:
-                write(seq_id)
-        except BaseException:
-            self.drop(self.find_id(seq_id))
-            self.seqs.erase(seq_id)
-            raise
-        self.cache_known_pages(self.find_id(seq_id))
 
     cdef void cache_known_pages(self, PkvSequence* seq) noexcept nogil:
         """Enter a written sequence's full pages of known tokens in the prefix index,
@@ -1555,13 +1589,17 @@ cdef class PageTables:
                 "window_pages": np.asarray(others[0] if others else [-1] * len(pages),
                                            dtype=np.int32)}
 
-    def add_cached_chains(self, token_ids, parents, has_window, write, int64_t reserve=0,
+    def add_cached_chains(self, token_ids, parents, has_window, int64_t reserve=0,
                           int64_t reserve_window=0):
-        """Enter page chains from elsewhere (a file) in the prefix cache, as free,
-        evictable pages that prompts starting with their tokens hit.
+        """Reserve the pages to enter page chains from elsewhere (a file) in the prefix
+        cache, as free, evictable pages that prompts starting with their tokens hit.
 
         A page already cached here (same tokens after the same parent) is
-        kept and not written again.  All or nothing.
+        kept and not written again.  All or nothing.  The caller then writes
+        the K/V of the new pages it returns and calls
+        ``commit_cached_chains``, or ``undo_cached_chains`` if the writing
+        failed (nothing stays taken or cached).  A reservation neither
+        committed nor undone is undone by the next one.
 
         Parameters
         ----------
@@ -1570,11 +1608,6 @@ cdef class PageTables:
             Each page's parent: an earlier index, or -1 for a prompt's first page.
         has_window : ndarray, shape [N], bool
             Whether the windowed layers' K/V of the page come too.
-        write : callable
-            ``write(pages, window_pages)``, two int32 arrays of shape [N]:
-            fill the K/V of page ``i`` into ``pages[i]`` and ``window_pages[i]``
-            where they are >= 0 (the pages not cached here yet).  If it raises,
-            nothing stays taken or cached, and the error propagates.
         reserve, reserve_window : int
             Pages of each pool that must stay free besides (for sequences the
             caller places next); the pages entered here are evicted after any
@@ -1582,8 +1615,10 @@ cdef class PageTables:
 
         Returns
         -------
-        int
-            Pages of the chains that are now cached here (new or already there).
+        pages, window_pages : ndarray, shape [N], int32
+            Where to write the K/V of page ``i``: ``pages[i]`` and
+            ``window_pages[i]``, where they are >= 0 (the pages not cached
+            here yet).
 
         Raises
         ------
@@ -1600,11 +1635,12 @@ cdef class PageTables:
             raise ValueError(f"token_ids, parents, has_window: expected shapes [N, "
                              f"{self.page_size}], [N], [N], got {list(token_ids.shape)}, "
                              f"{list(parents.shape)}, {list(has_window.shape)}")
+        self.undo_cached_chains()
         hashes = np.zeros(N, dtype=np.uint64)
         cdef uint64_t[::1] h = hashes
         # per pool (rows; the first pool holds the chains, the others the pages
         # has_window names): the page of each, and the new ones to write (a
-        # window row either way: write takes both)
+        # window row either way: the caller gets both)
         held = np.full((P, N), -1, dtype=np.int32)
         fresh = np.full((max(P, 2), N), -1, dtype=np.int32)
         cdef int32_t[:, ::1] page = held, new_page = fresh
@@ -1642,8 +1678,8 @@ cdef class PageTables:
                 raise OutOfPagesError(
                     f"load: the prefix cache's chains need {needed[q]} {pool.noun} besides the "
                     f"sequences' {reserves[q]}, {pool.free_text(busy[q], False)}")
-        # Commit: hold the pages found (before any take could evict one), take the
-        # new ones, write, cache, let go.
+        # Reserve: hold the pages found (before any take could evict one), take the
+        # new ones; the commit caches them and lets go.
         for i in range(N):
             for q in range(P):
                 if page[q, i] >= 0:
@@ -1652,12 +1688,25 @@ cdef class PageTables:
             for q in range(P if window[i] else 1):
                 if page[q, i] < 0:
                     page[q, i] = new_page[q, i] = (<Pool>self.pool_refs[q]).allocator.take_page()
-        try:
-            write(fresh[0], fresh[1])
-        except BaseException:
-            self.release_chains(page)
-            raise
-        cdef int64_t joined = 0
+        self.chains_pending = (token_ids, parents, hashes, held, fresh)
+        return fresh[0].copy(), fresh[1].copy()
+
+    def commit_cached_chains(self):
+        """The K/V of the pages ``add_cached_chains`` reserved are written: the new
+        pages join the prefix cache, and every page of the chains is let go (free,
+        evictable).  Returns how many pages of the chains are now cached here
+        (new or already there); 0 when nothing is reserved."""
+        if self.chains_pending is None:
+            return 0
+        token_ids, parents, hashes, held, fresh = self.chains_pending
+        self.chains_pending = None
+        cdef const int32_t[:, ::1] tokens = token_ids
+        cdef const int64_t[::1] parent = parents
+        cdef const uint64_t[::1] h = hashes
+        cdef int32_t[:, ::1] page = held
+        cdef const int32_t[:, ::1] new_page = fresh
+        cdef Py_ssize_t i, q, N = tokens.shape[0], P = len(self.pools)
+        cdef int64_t entry, joined = 0
         for i in range(N):
             entry = ROOT_ENTRY if parent[i] < 0 else self.allocator.entry_of(page[0, parent[i]])
             if new_page[0, i] >= 0 and entry != 0:
@@ -1672,6 +1721,15 @@ cdef class PageTables:
                         &tokens[i, 0])
         self.release_chains(page)
         return joined
+
+    def undo_cached_chains(self):
+        """Take back what ``add_cached_chains`` reserved when its K/V could not be
+        written: no page stays taken or cached.  A no-op when nothing is reserved."""
+        if self.chains_pending is None:
+            return
+        held = self.chains_pending[3]
+        self.chains_pending = None
+        self.release_chains(held)
 
     cdef void release_chains(self, int32_t[:, ::1] page) noexcept nogil:
         """Drop the references ``add_cached_chains`` took, last page first (so that

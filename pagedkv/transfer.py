@@ -9,7 +9,8 @@ pickles, crosses Ray's object store and fills a safetensors file
 
 Placing one in a cache (:func:`import_sequence`, ``swap_in``, ``load``) takes
 new pages for its tokens (``PageTables.adopt``), then writes every layer's
-rows: the stored bits themselves when the formats agree, so that ``gather``
+rows, then commits (``PageTables.commit_place``; ``undo_place`` if the
+writing fails): the stored bits themselves when the formats agree, so that ``gather``
 returns the same bits; otherwise the exported values as float32 (what the
 source's ``gather`` returns) through the target's ``store``, so that they
 convert exactly as stored values would.  A windowed layer keeps only the
@@ -357,9 +358,19 @@ def import_sequence(holdings: CacheHoldings, kv: SequenceKV, start: Optional[int
     already; ``start``: its :func:`window_start`, when known)."""
     first = window_start(holdings, kv) if start is None else start
     tokens = kv.token_ids if holdings.prefix_caching else None
-    return holdings.tables.adopt(kv.num_tokens, tokens, first // holdings.page_size,
-                                 lambda seq_id: write_sequence(holdings, kv, seq_id, first),
-                                 first_row=first)
+    tables = holdings.tables
+    # the reserve inside the try, and no Python call between the write and the
+    # commit (the tables' own calls are compiled): whatever raises, even an
+    # interrupt, finds the placing undone or committed, never left open
+    try:
+        seq_id = tables.adopt(kv.num_tokens, tokens, first // holdings.page_size,
+                              first_row=first)
+        write_sequence(holdings, kv, seq_id, first)
+    except BaseException:
+        tables.undo_place()          # (a no-op when adopt itself raised)
+        raise
+    tables.commit_place()
+    return seq_id
 
 
 def swap_out(holdings: CacheHoldings, seq_id: int) -> None:
@@ -378,8 +389,14 @@ def swap_in(holdings: CacheHoldings, seq_id: int) -> None:
         raise ValueError(f"seq_id: sequence {seq_id} is not swapped out")
     kv = holdings.swapped[int(seq_id)]
     start = window_start(holdings, kv, trim=False)
-    holdings.tables.swap_in(seq_id, start // holdings.page_size,
-                            lambda s: write_sequence(holdings, kv, s, start), first_row=start)
+    tables = holdings.tables
+    try:            # as in import_sequence
+        tables.swap_in(seq_id, start // holdings.page_size, first_row=start)
+        write_sequence(holdings, kv, int(seq_id), start)
+    except BaseException:
+        tables.undo_place()
+        raise
+    tables.commit_place()
     del holdings.swapped[int(seq_id)]
 
 
@@ -582,8 +599,11 @@ def add_cached_chains(holdings: CacheHoldings, chains: CachedChains, reserve: in
     rows_at = [rank[layer][node] * chains.page_size + offset for layer in range(len(rank))]
     token_ids = np.ascontiguousarray(chains.token_ids[node, offset])
     offsets = np.arange(page_size, dtype=np.int64)
-
-    def write(pages: npt.NDArray[np.int32], window_pages: npt.NDArray[np.int32]) -> None:
+    tables = holdings.tables
+    try:            # as in import_sequence
+        pages, window_pages = tables.add_cached_chains(
+            token_ids, np.ascontiguousarray(parents), np.ascontiguousarray(has_window), reserve,
+            reserve_window)
         targets_of = {pool.name: window_pages if pool.in_window_lists else pages
                       for pool in holdings.pools}
         for layer, pool in enumerate(holdings.layer_pool):
@@ -597,7 +617,7 @@ def add_cached_chains(holdings: CacheHoldings, chains: CachedChains, reserve: in
             rows = StoredRows(*(None if a is None else a[at]     # type: ignore[arg-type]
                                 for a in chains.rows[layer]))
             write_rows(holdings, layer, slots, rows, chains.storage)
-
-    return holdings.tables.add_cached_chains(token_ids, np.ascontiguousarray(parents),
-                                             np.ascontiguousarray(has_window), write, reserve,
-                                             reserve_window)
+    except BaseException:
+        tables.undo_cached_chains()
+        raise
+    return tables.commit_cached_chains()

@@ -248,10 +248,11 @@ def test_a_first_row_the_window_cannot_hold_from_is_refused(backend, window_from
     before = (cache.num_free_pages, cache.num_free_window_pages, cache.seq_ids(),
               cache._tables.next_id)
     with pytest.raises(ValueError, match=match):
-        cache._tables.adopt(9, None, window_from, None, first_row=first_row)
+        cache._tables.adopt(9, None, window_from, first_row=first_row)
     assert (cache.num_free_pages, cache.num_free_window_pages, cache.seq_ids(),
             cache._tables.next_id) == before
-    seq = cache._tables.adopt(9, None, 1, None, first_row=6)     # the next query sees from 6
+    seq = cache._tables.adopt(9, None, 1, first_row=6)     # the next query sees from 6
+    cache._tables.commit_place()
     assert cache._tables.window_held_from(seq) == 6
 
 
