@@ -8,12 +8,12 @@ pickles, crosses Ray's object store and fills a safetensors file
 (:mod:`pagedkv.kv_file`).
 
 Placing one in a cache (:func:`import_sequence`, ``swap_in``, ``load``) takes
-new pages for its tokens (``PageTables.adopt``), then writes every layer's
-rows, then commits (``PageTables.commit_place``; ``undo_place`` if the
-writing fails): the stored bits themselves when the formats agree, so that ``gather``
-returns the same bits; otherwise the exported values as float32 (what the
-source's ``gather`` returns) through the target's ``store``, so that they
-convert exactly as stored values would.  A windowed layer keeps only the
+new pages for its tokens (``PageTables.adopt``), writes every layer's rows
+and commits (``PageTables.commit_place``; ``undo_place`` if the writing
+fails).  The rows written are the stored bits themselves when the formats
+agree, so that ``gather`` returns the same bits; otherwise the exported
+values as float32 (what the source's ``gather`` returns) through the
+target's ``store``, so that they convert exactly as stored values would.  A windowed layer keeps only the
 positions its window still needs; its window pages before them are never
 taken, so a long sequence fits a small window pool.
 """
