@@ -1698,6 +1698,7 @@ cdef class PageTables:
         (new or already there); 0 when nothing is reserved."""
         if self.chains_pending is None:
             return 0
+        entries = np.zeros(len(self.chains_pending[0]), dtype=np.int64)   # (before any change)
         token_ids, parents, hashes, held, fresh = self.chains_pending
         self.chains_pending = None
         cdef const int32_t[:, ::1] tokens = token_ids
@@ -1707,11 +1708,21 @@ cdef class PageTables:
         cdef const int32_t[:, ::1] new_page = fresh
         cdef Py_ssize_t i, q, N = tokens.shape[0], P = len(self.pools)
         cdef int64_t entry, joined = 0
+        cdef int32_t found
+        # each page's entry in the index: its own, or that of a page of the same
+        # prefix cached meanwhile (a sequence placed between the reserve and this
+        # commit), under which its children are cached
+        cdef int64_t[::1] entry_at = entries
         for i in range(N):
-            entry = ROOT_ENTRY if parent[i] < 0 else self.allocator.entry_of(page[0, parent[i]])
+            entry = ROOT_ENTRY if parent[i] < 0 else entry_at[parent[i]]
             if new_page[0, i] >= 0 and entry != 0:
                 self.allocator.cache_page(page[0, i], h[i], entry, &tokens[i, 0])
+            entry_at[i] = self.allocator.entry_of(page[0, i])
+            if entry_at[i] == 0 and entry != 0:
+                found = self.allocator.lookup(h[i], entry, &tokens[i, 0])
+                entry_at[i] = self.allocator.entry_of(found) if found >= 0 else 0
             if self.allocator.entry_of(page[0, i]) == 0:
+                joined += entry_at[i] != 0
                 continue
             joined += 1
             for q in range(1, P):

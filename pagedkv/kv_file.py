@@ -24,8 +24,9 @@ storage dtype (scales ``[n, num_kv_heads]`` float32, int8 only):
   ``has_window`` in a windowed one.
 
 ``load`` reads and checks the whole file before it changes anything, then
-enters the cached pages (re-cut to its own page size when that differs)
-and imports the sequences.
+reserves and writes the cached pages (re-cut to its own page size when
+that differs), imports the sequences, and only then enters those pages in
+the prefix cache: a failure anywhere leaves the cache as it was.
 """
 import json
 import os
@@ -466,13 +467,19 @@ def load(holdings: CacheHoldings, path: Any) -> List[int]:
                               f"{window_allocator.num_free} of "
                               f"{window_allocator.num_pages} free in the window pool")
     first_id = holdings.tables.next_id
+    tables = holdings.tables
+    # all or nothing: the chains' pages are reserved and written first (the
+    # sequences' pages are kept free for them) but join the prefix cache only
+    # once every sequence is placed; on any failure the sequences placed so far
+    # go, ids and all, and the chains' pages with them
     try:
         if contents.chains is not None and holdings.prefix_caching:
-            transfer.add_cached_chains(holdings, contents.chains, pages, window_pages)
-        return [transfer.import_sequence(holdings, kv, start)
-                for kv, start in zip(contents.sequences, starts)]
+            transfer.reserve_cached_chains(holdings, contents.chains, pages, window_pages)
+        ids = [transfer.import_sequence(holdings, kv, start)
+               for kv, start in zip(contents.sequences, starts)]
     except BaseException:
-        # all or nothing: the sequences placed so far go, ids and all (the
-        # chains entered stay in the prefix cache, as free, evictable pages)
-        holdings.tables.undo_adopt(first_id)
+        tables.undo_adopt(first_id)
+        tables.undo_cached_chains()
         raise
+    tables.commit_cached_chains()
+    return ids

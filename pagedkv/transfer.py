@@ -554,11 +554,15 @@ def _positions(chains, depth, end, first, page_size):
     return node, offset
 
 
-def add_cached_chains(holdings: CacheHoldings, chains: CachedChains, reserve: int,
-                      reserve_window: int) -> int:
-    """Enter ``chains`` in the cache's prefix cache, cut into its page size, converted
-    to its format; only pages whose K/V every layer here needs are held (and
-    then their descendants).  ``reserve``: pages kept free for what comes next.
+def reserve_cached_chains(holdings: CacheHoldings, chains: CachedChains, reserve: int,
+                          reserve_window: int) -> None:
+    """Reserve the pages that enter ``chains`` in the cache's prefix cache, cut into
+    its page size, and write their K/V, converted to its format; only pages
+    whose K/V every layer here needs are held (and then their descendants).
+    ``reserve``: pages kept free for what comes next.  The caller then
+    commits (``tables.commit_cached_chains``: they join the prefix cache) or
+    undoes (``tables.undo_cached_chains``); if this raises, nothing is left
+    reserved.
 
     Chains that cannot fit are refused (``OutOfPagesError``) before any work in
     proportion to the pages they would fill.
@@ -584,7 +588,7 @@ def add_cached_chains(holdings: CacheHoldings, chains: CachedChains, reserve: in
                 f"besides the sequences' {reserved}; this cache's pool {pool.name!r} has "
                 f"{pool.allocator.num_pages} pages, {pool.allocator.num_free} free")
     if not len(keep):
-        return 0
+        return
     renumber = np.full(int(recut.prefix.max()) + 1, -1, np.int64)     # by prefix
     renumber[recut.prefix[keep]] = np.arange(len(keep))
     parents = np.where(recut.parents[keep] >= 0,
@@ -620,4 +624,3 @@ def add_cached_chains(holdings: CacheHoldings, chains: CachedChains, reserve: in
     except BaseException:
         tables.undo_cached_chains()
         raise
-    return tables.commit_cached_chains()
