@@ -6,8 +6,9 @@ architecture (``pagedkv/_levels.py``: on x86-64 baseline SSE2, AVX2 and
 AVX-512; on AArch64 the NEON baseline), as ``pagedkv._kernels_<level>``;
 ``pagedkv._cpu`` imports the best one the CPU runs.  Each level's module is a
 generated three-line ``.pyx`` under ``build/`` that includes ``_kernels.pyx``,
-so the kernels have one source.  Everything else (``_allocator``,
-``_page_table``, ``_cpuid``, ``_ints``, ``_rows``) is built at the baseline: it runs before the
+so the kernels have one source.  Everything else (``_allocator``, ``_pool``,
+``_page_table``, ``_placement``, ``_prefix_chains``, ``_cpuid``, ``_ints``, ``_rows``) is built
+at the baseline: it runs before the
 choice.
 
 The Cython directives are set once here.  ``PAGEDKV_DEBUG=1`` turns bounds
@@ -205,7 +206,8 @@ def _build_jobs():
 setup(
     options={"build_ext": {"parallel": _build_jobs()}},
     ext_modules=cythonize(
-        [ext("_allocator"), ext("_page_table", "c++"), ext("_cpuid"), ext("_ints"),
+        [ext("_allocator"), ext("_pool", "c++"), ext("_page_table", "c++"),
+         ext("_placement", "c++"), ext("_prefix_chains", "c++"), ext("_cpuid"), ext("_ints"),
          ext("_rows")]
         + [kernel_extension(level) for level in kernel_levels()],
         compiler_directives=directives,

@@ -18,8 +18,9 @@ from pagedkv._allocator import PageAllocator
 from pagedkv._arrays import array_or_as_given, is_torch_tensor
 from pagedkv._exclusive import Guard, exclusive
 from pagedkv._memory import check_fits
-from pagedkv._page_table import PageTables
-from pagedkv.pools import manager_for, pool_specs
+from pagedkv._placement import Placement
+from pagedkv._prefix_chains import PrefixChains
+from pagedkv.pools import page_tables_of, pool_specs
 from pagedkv._validate import check_int, check_int_vector, check_seq_id, check_tensor
 from pagedkv.attention_spec import MAX_WINDOW, AttentionSpec
 from pagedkv.backends import backend_class, resolve_backend
@@ -183,7 +184,6 @@ class PagedKVCache:
             raise ArgumentTypeError(f"backend_options: expected a dict, got "
                                     f"{type(backend_options).__name__}")
         self.layer_windows = self._check_windows(layer_windows)
-        windowed = any(w is not None for w in self.layer_windows)
         num_window_pages = num_pages if num_window_pages is None else \
             check_int("num_window_pages", num_window_pages, minimum=1, maximum=2**31 - 1)
         rollback = check_int("window_rollback_tokens", window_rollback_tokens, minimum=1,
@@ -207,17 +207,12 @@ class PagedKVCache:
             options=backend_options)
         self._attend = CascadeAttention(self._backend, enabled=self.cascade == "auto")
         self.prefix_caching = enable_prefix_caching
-        allocators = [PageAllocator(pool.num_pages, self.page_size, enable_prefix_caching)
-                      for pool in pools]
-        self._allocator = allocators[0]
-        self._window_allocator = allocators[1] if windowed else None
-        window_pool = pools[1] if windowed else None
-        self._tables = PageTables(
-            self._allocator, prefix_hash, self._window_allocator,
-            (window_pool.window or 0) if window_pool else 0,
-            window_pool.rollback if window_pool else rollback)
-        self._pools = tuple(manager_for(pool, allocator, self._tables)
-                            for pool, allocator in zip(pools, allocators))
+        self._tables, self._pools = page_tables_of(
+            pools, [PageAllocator(pool.num_pages, self.page_size, enable_prefix_caching)
+                    for pool in pools], prefix_hash)
+        self._allocator = self._pools[0].allocator
+        self._window_pool = next((pool for pool in self._pools if pool.pool.gives_back), None)
+        self._placement = Placement(self._tables)
         layer_pool = [self._pools[0]] * self.num_layers     # each layer's pool manager
         for manager in self._pools:
             for layer in manager.layers:
@@ -230,8 +225,10 @@ class PagedKVCache:
         self._holdings = CacheHoldings(
             num_layers=self.num_layers, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
             page_size=self.page_size, storage=self.storage, kv_rotation=self.kv_rotation,
-            layer_windows=self.layer_windows, max_seq_len=self.max_seq_len,
-            prefix_caching=self.prefix_caching, tables=self._tables, pools=self._pools,
+            layer_windows=self.layer_windows, window_rollback_tokens=rollback,
+            max_seq_len=self.max_seq_len,
+            prefix_caching=self.prefix_caching, tables=self._tables,
+            placement=self._placement, chains=PrefixChains(self._tables), pools=self._pools,
             layer_pool=self._layer_pool, backend=self._backend, swapped=self._swapped)
 
     def __copy__(self):
@@ -297,13 +294,13 @@ class PagedKVCache:
     @exclusive
     def num_window_pages(self) -> int:
         """Pages in the windowed layers' pool (0 when no layer is windowed)."""
-        return self._window_allocator.num_pages if self._window_allocator else 0
+        return self._window_pool.allocator.num_pages if self._window_pool else 0
 
     @property
     @exclusive
     def num_free_window_pages(self) -> int:
         """Window pages an ``append`` can take now (0 when no layer is windowed)."""
-        return self._window_allocator.num_free if self._window_allocator else 0
+        return self._window_pool.allocator.num_free if self._window_pool else 0
 
     @property
     def memory_bytes(self) -> int:
@@ -327,13 +324,16 @@ class PagedKVCache:
     @exclusive
     def window_page_count(self, seq_id: int) -> int:
         """Pages the sequence holds in the window pool (0 when no layer is windowed)."""
-        return self._tables.held_pages(seq_id) if self._window_allocator else 0
+        return self._window_pool.held_pages(seq_id) if self._window_pool else 0
 
     @exclusive
     def window_page_ids(self, seq_id: int) -> np.ndarray:
         """The sequence's window-pool page ids in position order, -1 for pages given
         back; ndarray, shape [page_count], int32 (empty when no layer is windowed)."""
-        return self._tables.pages(seq_id, True)
+        if self._window_pool is None:
+            self._tables.pages(seq_id)          # (an unknown id raises all the same)
+            return np.zeros(0, np.int32)
+        return self._window_pool.page_ids(seq_id)
 
     @exclusive
     def refcount(self, page_id: int) -> int:

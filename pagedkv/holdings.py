@@ -17,6 +17,8 @@ from pagedkv.storage import StorageFormat
 
 if TYPE_CHECKING:   # annotations only (transfer imports this module)
     from pagedkv._page_table import PageTables
+    from pagedkv._placement import Placement
+    from pagedkv._prefix_chains import PrefixChains
     from pagedkv.backends.base import Backend
     from pagedkv.transfer import SequenceKV
 
@@ -34,10 +36,16 @@ class CacheHoldings:
         The constructor's ``kv_rotation`` (a file records it whatever the dtype).
     layer_windows : tuple of (int or None), shape [num_layers]
         Each layer's sliding window, None for full attention.
+    window_rollback_tokens : int
+        The constructor's ``window_rollback_tokens``.
     max_seq_len : int or None
     prefix_caching : bool
     tables : PageTables
         Every sequence's page lists in every pool, lengths, prefix cache.
+    placement : Placement
+        Places sequences whose K/V come from elsewhere in ``tables``.
+    chains : PrefixChains
+        The prefix cache's chains of pages, out of ``tables`` and into them.
     pools : tuple of PoolManager
         One manager per pool, in the tables' order (``pools[0]`` the full pool).
     layer_pool : tuple of PoolManager, shape [num_layers]
@@ -55,9 +63,12 @@ class CacheHoldings:
     storage: StorageFormat
     kv_rotation: bool
     layer_windows: Tuple[Optional[int], ...]
+    window_rollback_tokens: int
     max_seq_len: Optional[int]
     prefix_caching: bool
     tables: "PageTables"
+    placement: "Placement"
+    chains: "PrefixChains"
     pools: Tuple[PoolManager, ...]
     layer_pool: Tuple[PoolManager, ...]
     backend: "Backend"

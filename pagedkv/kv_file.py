@@ -91,7 +91,7 @@ def _configuration(holdings: CacheHoldings) -> Dict[str, Any]:
             "layer_windows": list(holdings.layer_windows),
             "num_window_pages": window_pool.allocator.num_pages
             if window_pool is not None else None,
-            "window_rollback_tokens": holdings.tables.rollback,
+            "window_rollback_tokens": holdings.window_rollback_tokens,
             "kv_rotation": holdings.kv_rotation}
 
 
@@ -107,23 +107,24 @@ def _row_tensors(prefix, rows_of_layers):
 
 def _export_chains(holdings: CacheHoldings) -> Tuple[Dict[str, np.ndarray], Dict[str, int]]:
     """The prefix cache's reachable pages: tensors and their count per pool."""
-    chains = holdings.tables.cached_chains()
-    if not len(chains["pages"]):
+    chains = holdings.chains.export()
+    pages = chains["pages"]             # [pools, N]: each pool's page of each place
+    if not len(chains["parents"]):
         return {}, {"num_pages": 0, "num_window_pages": 0}
     ps = holdings.page_size
-    has_window = chains["window_pages"] >= 0
+    window_pool = holdings.window_pool
+    has_window = pages[window_pool.index] >= 0 if window_pool is not None else \
+        np.zeros(pages.shape[1], bool)
     offsets = np.arange(ps, dtype=np.int64)
-    slots = {False: (chains["pages"][:, None].astype(np.int64) * ps + offsets).ravel(),
-             True: (chains["window_pages"][has_window][:, None].astype(np.int64) * ps
-                    + offsets).ravel()}
-    rows = [holdings.backend.read_rows(layer, slots[pool.in_window_lists])
+    slots = [(held[held >= 0][:, None].astype(np.int64) * ps + offsets).ravel()
+             for held in pages]
+    rows = [holdings.backend.read_rows(layer, slots[pool.index])
             for layer, pool in enumerate(holdings.layer_pool)]
     tensors = {"prefix_cache.token_ids": np.ascontiguousarray(chains["tokens"]),
                "prefix_cache.parents": chains["parents"],
                "prefix_cache.has_window": has_window.astype(np.uint8)}
     tensors.update(_row_tensors("prefix_cache", rows))
-    return tensors, {"num_pages": len(chains["pages"]),
-                     "num_window_pages": int(has_window.sum())}
+    return tensors, {"num_pages": pages.shape[1], "num_window_pages": int(has_window.sum())}
 
 
 def checksum(metadata, tensors):
@@ -467,7 +468,6 @@ def load(holdings: CacheHoldings, path: Any) -> List[int]:
                               f"{window_allocator.num_free} of "
                               f"{window_allocator.num_pages} free in the window pool")
     first_id = holdings.tables.next_id
-    tables = holdings.tables
     # all or nothing: the chains' pages are reserved and written first (the
     # sequences' pages are kept free for them) but join the prefix cache only
     # once every sequence is placed; on any failure the sequences placed so far
@@ -478,8 +478,8 @@ def load(holdings: CacheHoldings, path: Any) -> List[int]:
         ids = [transfer.import_sequence(holdings, kv, start)
                for kv, start in zip(contents.sequences, starts)]
     except BaseException:
-        tables.undo_adopt(first_id)
-        tables.undo_cached_chains()
+        holdings.placement.undo_adopt(first_id)
+        holdings.chains.undo()
         raise
-    tables.commit_cached_chains()
+    holdings.chains.commit()
     return ids

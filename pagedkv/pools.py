@@ -9,25 +9,32 @@ attention type and is described by a frozen :class:`PoolSpec` (as vLLM's
   its layers); a sequence gives back the pages no later query can see,
   keeping what a rollback of up to ``rollback`` tokens needs.
 
-A pool's :class:`PoolManager` (:class:`FullAttentionManager` or
-:class:`SlidingWindowManager`) answers what the cache asks of it: which
-positions a sequence must keep, which it still holds, the slots of a range
-of positions, what attention a layer of the pool runs, and where the step
-tables of a step in the pool are.  A new attention type (e.g. chunked local
-attention) is a new ``attention`` value and a new manager.
+A pool's :class:`PoolManager` (one class per attention type, in
+``MANAGERS``) turns its spec into the page tables' compiled
+:class:`pagedkv._pool.Pool` (the span of its queries, its rollback, how
+errors name it) and answers what the cache asks of the pool: which
+positions a sequence still holds, the slots of a range of positions, what
+attention a layer of the pool runs, and which of a step's tables are the
+pool's.  A new attention type is a new ``attention`` value and a new
+manager; ``docs/architecture.md`` has the recipe.
 
 The page tables themselves (``pagedkv._page_table.PageTables``) keep each
-sequence's page list in every pool; the managers read them.
+sequence's page list in every pool, in the order of the specs; the managers
+read them by their pool's ``index``.
 """
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Callable, Optional, Sequence, Tuple
 
 import numpy as np
 
+from pagedkv._allocator import PageAllocator
+from pagedkv._page_table import PageTables
+from pagedkv._pool import Pool
 from pagedkv._protocols import PageAllocatorLike, PageTablesLike
 
 if TYPE_CHECKING:   # annotations only
-    from pagedkv._page_table import AppendTables, PoolTables
+    from pagedkv._page_table import AppendTables
+    from pagedkv._pool import PoolTables
     from pagedkv.attention_spec import AttentionSpec
     from pagedkv.backends.base import StepTables
     from pagedkv.step import StepBatch
@@ -64,17 +71,35 @@ class PoolSpec:
     window: Optional[int] = None
     rollback: int = 1
 
-    def keep_from(self, old_len: int, new_len: int) -> int:
-        """The first position a sequence must keep after a step from ``old_len``
-        to ``new_len`` tokens: what the queries of that step, and of any step
-        after a rollback of up to ``rollback`` tokens, can see."""
-        if self.window is None:
-            return 0
-        return max(0, min(old_len, new_len - self.rollback) - self.window + 1)
 
-    def sees_from(self, position: int) -> int:
-        """The first position a query at ``position`` sees."""
-        return 0 if self.window is None else max(0, position - self.window + 1)
+@dataclass(frozen=True)
+class PoolNames:
+    """How errors name a pool (see :class:`pagedkv._pool.Pool`).
+
+    Attributes
+    ----------
+    noun : str
+        Its pages ("window pages").
+    where : str
+        "" (the only pool) or " in the ... pool".
+    pool : str
+        "the ... pool".
+    hint : str
+        What sizes it, in parentheses, or "".
+    layers : str
+        Its layers ("the windowed layers").
+    span : str
+        What its span is ("window").
+    rollback : str
+        The argument that sets its rollback.
+    """
+    noun: str
+    where: str
+    pool: str
+    hint: str = ""
+    layers: str = ""
+    span: str = ""
+    rollback: str = ""
 
 
 def pool_specs(layer_windows: Sequence[Optional[int]], num_pages: int,
@@ -93,40 +118,76 @@ def pool_specs(layer_windows: Sequence[Optional[int]], num_pages: int,
 
 
 class PoolManager:
-    """What the cache asks of one pool; see :class:`FullAttentionManager` and
-    :class:`SlidingWindowManager`.
+    """What the cache asks of one pool; one subclass per attention type.
 
     Parameters
     ----------
     spec : PoolSpec
-    allocator : PageAllocator
-        The pool's pages.
+    pool : Pool
+        The page tables' pool made from ``spec`` (by :meth:`page_pool`).
     tables : PageTables
         The page tables of every sequence (all pools).
     """
-    #: whether the page tables keep this pool's pages in their window lists
-    in_window_lists = False
 
-    def __init__(self, spec: PoolSpec, allocator: PageAllocatorLike, tables: PageTablesLike):
+    def __init__(self, spec: PoolSpec, pool: Pool, tables: PageTablesLike):
         self.spec = spec
-        self.allocator = allocator
+        self.pool = pool
         self.tables = tables
+
+    @classmethod
+    def page_pool(cls, spec: PoolSpec, index: int, allocator: PageAllocator,
+                  num_pools: int) -> Pool:
+        """The page tables' pool for ``spec``, ``index``-th of ``num_pools``."""
+        return Pool(allocator, index, cls.span(spec), spec.rollback, cls.names(num_pools))
+
+    @staticmethod
+    def span(spec: PoolSpec) -> int:
+        """The most positions a query of the pool's layers sees (0: all of them)."""
+        raise NotImplementedError
+
+    @staticmethod
+    def names(num_pools: int) -> PoolNames:
+        raise NotImplementedError
 
     @property
     def name(self) -> str:
         return self.spec.name
 
     @property
+    def index(self) -> int:
+        """The pool's place in the page tables (and in each step's ``AppendTables.pools``)."""
+        return self.pool.index
+
+    @property
+    def allocator(self) -> PageAllocatorLike:
+        return self.pool.allocator
+
+    @property
     def layers(self) -> Tuple[int, ...]:
         return self.spec.layers
 
+    def keep_from(self, old_len: int, new_len: int) -> int:
+        """The first position a sequence must keep here after a step from ``old_len``
+        to ``new_len`` tokens (what that step's queries, and those after a
+        rollback of up to ``rollback`` tokens, can see)."""
+        return self.pool.keep_from(old_len, new_len)
+
     def held_from(self, seq_id: int) -> int:
         """The first position whose K/V the sequence still holds in this pool."""
-        raise NotImplementedError
+        return self.tables.held_from(seq_id, self.index)
+
+    def held_pages(self, seq_id: int) -> int:
+        """Pages the sequence holds in this pool (those given back not counted)."""
+        return self.tables.held_pages(seq_id, self.index)
+
+    def page_ids(self, seq_id: int) -> np.ndarray:
+        """The sequence's page ids here in position order, -1 for pages given back;
+        ndarray, shape [num_pages], int32."""
+        return self.tables.pages(seq_id, self.index)
 
     def slots(self, seq_id: int, start: int, stop: int) -> np.ndarray:
         """Slots of positions ``start:stop`` in this pool; ndarray, shape [stop - start], int64."""
-        return self.tables.slots(seq_id, start, stop, self.in_window_lists)
+        return self.tables.slots(seq_id, start, stop, self.index)
 
     def layer_spec(self, layer: int, spec: "AttentionSpec",
                    window: Optional[int]) -> "AttentionSpec":
@@ -137,7 +198,7 @@ class PoolManager:
     def step_tables(self, batch: "StepBatch") -> "StepTables":
         """The :class:`~pagedkv.backends.base.StepTables` the kernels of this pool's
         layers read for ``batch`` (a StepBatch)."""
-        raise NotImplementedError
+        return batch._pool_tables[self.index]
 
     def copies(self, tables: "AppendTables") -> Tuple[np.ndarray, np.ndarray]:
         """The (source, destination) pages, int32 [num_copies] each, that an
@@ -147,41 +208,45 @@ class PoolManager:
 
     def pool_tables(self, tables: "AppendTables") -> "PoolTables":
         """This pool's ``PoolTables`` in an ``append``'s AppendTables ``tables``."""
-        pool_tables = tables.window if self.in_window_lists else tables.full
-        assert pool_tables is not None      # a window manager exists only with a window pool
-        return pool_tables
+        return tables.pools[self.index]
 
     def import_start(self, start: int) -> int:
-        """The first position this pool holds of an imported sequence whose window
-        pages start at position ``start`` (see ``transfer.window_start``)."""
-        raise NotImplementedError
+        """The first position this pool holds of an imported sequence that the pools
+        giving pages back hold from position ``start`` (see ``transfer.window_start``)."""
+        return start if self.pool.gives_back else 0
 
 
 class FullAttentionManager(PoolManager):
     """Full attention: a sequence keeps every page; every position stays visible."""
 
-    def held_from(self, seq_id: int) -> int:
+    @staticmethod
+    def span(spec: PoolSpec) -> int:
         return 0
+
+    @staticmethod
+    def names(num_pools: int) -> PoolNames:
+        return PoolNames("pages", "" if num_pools == 1 else " in the full-attention pool",
+                         "the full-attention pool", layers="the full-attention layers")
 
     def layer_spec(self, layer: int, spec: "AttentionSpec",
                    window: Optional[int]) -> "AttentionSpec":
         return spec
 
-    def step_tables(self, batch: "StepBatch") -> "StepTables":
-        return batch._tables
-
-    def import_start(self, start: int) -> int:
-        return 0
-
 
 class SlidingWindowManager(PoolManager):
     """Sliding window: a sequence gives back the pages no later query can see
-    (``PoolSpec.keep_from``), so its page list starts with given-back entries."""
+    (``keep_from``), so its page list starts with given-back entries."""
 
-    in_window_lists = True
+    @staticmethod
+    def span(spec: PoolSpec) -> int:
+        assert spec.window is not None      # a sliding-window pool's spec has its window
+        return spec.window
 
-    def held_from(self, seq_id: int) -> int:
-        return self.tables.window_held_from(seq_id)
+    @staticmethod
+    def names(num_pools: int) -> PoolNames:
+        return PoolNames("window pages", " in the window pool", "the window pool",
+                         " (the sliding-window layers; num_window_pages)",
+                         "the windowed layers", "window", "window_rollback_tokens")
 
     def layer_spec(self, layer: int, spec: "AttentionSpec",
                    window: Optional[int]) -> "AttentionSpec":
@@ -191,18 +256,18 @@ class SlidingWindowManager(PoolManager):
                              f"{window} positions, got {spec.sliding_window}")
         return spec.with_window(window)
 
-    def step_tables(self, batch: "StepBatch") -> "StepTables":
-        assert batch._window_tables is not None     # made whenever a layer is windowed
-        return batch._window_tables
-
-    def import_start(self, start: int) -> int:
-        return start
-
 
 MANAGERS = {FULL: FullAttentionManager, SLIDING_WINDOW: SlidingWindowManager}
 
 
-def manager_for(spec: PoolSpec, allocator: PageAllocatorLike,
-                tables: PageTablesLike) -> PoolManager:
-    """The manager of the pool ``spec`` (by its attention type)."""
-    return MANAGERS[spec.attention](spec, allocator, tables)
+def page_tables_of(specs: Sequence[PoolSpec], allocators: Sequence[PageAllocator],
+                   prefix_hash: Optional[Callable[[int, tuple], int]] = None
+                   ) -> Tuple[PageTables, Tuple[PoolManager, ...]]:
+    """The page tables over the pools ``specs`` (with their ``allocators``) and
+    each pool's manager, in the specs' order (the first keeps every page)."""
+    kinds = [MANAGERS[spec.attention] for spec in specs]
+    pools = [kind.page_pool(spec, i, allocator, len(specs))
+             for i, (kind, spec, allocator) in enumerate(zip(kinds, specs, allocators))]
+    tables = PageTables(pools, prefix_hash)
+    return tables, tuple(kind(spec, pool, tables)
+                         for kind, spec, pool in zip(kinds, specs, pools))

@@ -1,5 +1,5 @@
 """``StepBatch``: the slots and page tables of one ``append`` step, as an engine sees them."""
-from typing import TYPE_CHECKING, Dict, Optional, Set
+from typing import TYPE_CHECKING, Dict, Optional, Set, Tuple
 
 import numpy as np
 
@@ -95,8 +95,11 @@ class StepBatch(_ReadOnlyTables):
                  tables: "AppendTables"):
         private = {name: _frozen(getattr(tables, name))
                    for name in ("query_start", "seq_lens", "page_indptr", "last_page_len")}
+        for pool_tables in tables.pools:         # (the kernels' own: read-only)
+            for name in ("slot_mapping", "page_indices", "block_table"):
+                _frozen(getattr(pool_tables, name))
         for name in ("slot_mapping", "page_indices", "block_table"):
-            private[name] = _frozen(getattr(tables.full, name))
+            private[name] = getattr(tables.pools[0], name)
         private["seq_ids"] = _frozen(seq_ids)
         super().__init__(private)
         self._cache = cache             # whose step it is: the only cache that takes it
@@ -104,25 +107,23 @@ class StepBatch(_ReadOnlyTables):
         self._generation = generation
         self._stored_layers: Set[int] = set()
         p = private
-        # a page of the step with two holders would have to be on the allocator's
-        # count now: nothing makes two sequences of the step share one later
-        # (a fork, import or prefix hit makes a new sequence, outside the step)
-        self._tables = StepTables(p["query_start"], p["seq_lens"], p["slot_mapping"],
-                                  p["page_indptr"], p["page_indices"],
-                                  may_share=holdings.full_pool.allocator.num_shared_pages > 0)
+        # each pool's tables as the kernels read them.  A page of the step with two
+        # holders would have to be on the allocator's count now: nothing makes two
+        # sequences of the step share one later (a fork, import or prefix hit makes
+        # a new sequence, outside the step)
+        self._pool_tables: Tuple[StepTables, ...] = tuple(
+            StepTables(p["query_start"], p["seq_lens"], pool_tables.slot_mapping,
+                       p["page_indptr"], pool_tables.page_indices,
+                       may_share=pool.allocator.num_shared_pages > 0)
+            for pool, pool_tables in zip(holdings.pools, tables.pools))
+        self._tables = self._pool_tables[0]
         self.window_tables: Optional[WindowTables] = None
-        self._window_tables: Optional[StepTables] = None
-        if tables.window is not None:
-            window_pool = holdings.window_pool
-            assert window_pool is not None      # a window pool's tables come with its pages
+        window_pool = holdings.window_pool
+        if window_pool is not None:
             window = {"page_indptr": p["page_indptr"], "last_page_len": p["last_page_len"]}
             for name in ("slot_mapping", "page_indices", "block_table"):
-                window[name] = _frozen(getattr(tables.window, name))
+                window[name] = getattr(window_pool.pool_tables(tables), name)
             self.window_tables = WindowTables(window)
-            self._window_tables = StepTables(
-                p["query_start"], p["seq_lens"], window["slot_mapping"], p["page_indptr"],
-                window["page_indices"],
-                may_share=window_pool.allocator.num_shared_pages > 0)
 
     seq_ids = property(lambda self: self._view("seq_ids"))
     query_start = property(lambda self: self._view("query_start"))

@@ -8,8 +8,8 @@ pickles, crosses Ray's object store and fills a safetensors file
 (:mod:`pagedkv.kv_file`).
 
 Placing one in a cache (:func:`import_sequence`, ``swap_in``, ``load``) takes
-new pages for its tokens (``PageTables.adopt``), writes every layer's rows
-and commits (``PageTables.commit_place``; ``undo_place`` if the writing
+new pages for its tokens (``Placement.adopt``), writes every layer's rows
+and commits (``Placement.commit``; ``Placement.undo`` if the writing
 fails).  The rows written are the stored bits themselves when the formats
 agree, so that ``gather`` returns the same bits; otherwise the exported
 values as float32 (what the source's ``gather`` returns) through the
@@ -309,7 +309,7 @@ def window_start(holdings: CacheHoldings, kv: SequenceKV, trim: bool = True) -> 
     windowed = window_pool.layers
     held = start = max(kv.layer_start[layer] for layer in windowed)
     if trim:
-        keep = window_pool.spec.keep_from(length, length)
+        keep = window_pool.keep_from(length, length)
         start = max(start, keep // page_size * page_size)
     for layer in windowed:
         window = windows[layer]
@@ -358,18 +358,18 @@ def import_sequence(holdings: CacheHoldings, kv: SequenceKV, start: Optional[int
     already; ``start``: its :func:`window_start`, when known)."""
     first = window_start(holdings, kv) if start is None else start
     tokens = kv.token_ids if holdings.prefix_caching else None
-    tables = holdings.tables
+    placement = holdings.placement
     # the reserve inside the try, and no Python call between the write and the
-    # commit (the tables' own calls are compiled): whatever raises, even an
+    # commit (the placement's own calls are compiled): whatever raises, even an
     # interrupt, finds the placing undone or committed, never left open
     try:
-        seq_id = tables.adopt(kv.num_tokens, tokens, first // holdings.page_size,
-                              first_row=first)
+        seq_id = placement.adopt(kv.num_tokens, tokens, first // holdings.page_size,
+                                 first_row=first)
         write_sequence(holdings, kv, seq_id, first)
     except BaseException:
-        tables.undo_place()          # (a no-op when adopt itself raised)
+        placement.undo()             # (a no-op when adopt itself raised)
         raise
-    tables.commit_place()
+    placement.commit()
     return seq_id
 
 
@@ -389,14 +389,14 @@ def swap_in(holdings: CacheHoldings, seq_id: int) -> None:
         raise ValueError(f"seq_id: sequence {seq_id} is not swapped out")
     kv = holdings.swapped[int(seq_id)]
     start = window_start(holdings, kv, trim=False)
-    tables = holdings.tables
+    placement = holdings.placement
     try:            # as in import_sequence
-        tables.swap_in(seq_id, start // holdings.page_size, first_row=start)
+        placement.swap_in(seq_id, start // holdings.page_size, first_row=start)
         write_sequence(holdings, kv, int(seq_id), start)
     except BaseException:
-        tables.undo_place()
+        placement.undo()
         raise
-    tables.commit_place()
+    placement.commit()
     del holdings.swapped[int(seq_id)]
 
 
@@ -560,8 +560,8 @@ def reserve_cached_chains(holdings: CacheHoldings, chains: CachedChains, reserve
     its page size, and write their K/V, converted to its format; only pages
     whose K/V every layer here needs are held (and then their descendants).
     ``reserve``: pages kept free for what comes next.  The caller then
-    commits (``tables.commit_cached_chains``: they join the prefix cache) or
-    undoes (``tables.undo_cached_chains``); if this raises, nothing is left
+    commits (``holdings.chains.commit()``: they join the prefix cache) or
+    undoes (``holdings.chains.undo()``); if this raises, nothing is left
     reserved.
 
     Chains that cannot fit are refused (``OutOfPagesError``) before any work in
@@ -603,15 +603,16 @@ def reserve_cached_chains(holdings: CacheHoldings, chains: CachedChains, reserve
     rows_at = [rank[layer][node] * chains.page_size + offset for layer in range(len(rank))]
     token_ids = np.ascontiguousarray(chains.token_ids[node, offset])
     offsets = np.arange(page_size, dtype=np.int64)
-    tables = holdings.tables
+    held_in = np.ones((len(holdings.pools), len(keep)), bool)     # per pool: pages that come
+    reserves = [reserve] * len(holdings.pools)
+    if window_pool is not None:
+        held_in[window_pool.index] = has_window
+        reserves[window_pool.index] = reserve_window
     try:            # as in import_sequence
-        pages, window_pages = tables.add_cached_chains(
-            token_ids, np.ascontiguousarray(parents), np.ascontiguousarray(has_window), reserve,
-            reserve_window)
-        targets_of = {pool.name: window_pages if pool.in_window_lists else pages
-                      for pool in holdings.pools}
+        pages = holdings.chains.reserve(token_ids, np.ascontiguousarray(parents), held_in,
+                                        reserves)
         for layer, pool in enumerate(holdings.layer_pool):
-            targets = targets_of[pool.name]
+            targets = pages[pool.index]
             chosen = np.flatnonzero(targets >= 0)
             slots = (targets[chosen, None].astype(np.int64) * page_size + offsets).ravel()
             at = rows_at[layer][chosen].ravel()
@@ -622,5 +623,5 @@ def reserve_cached_chains(holdings: CacheHoldings, chains: CachedChains, reserve
                                 for a in chains.rows[layer]))
             write_rows(holdings, layer, slots, rows, chains.storage)
     except BaseException:
-        tables.undo_cached_chains()
+        holdings.chains.undo()
         raise

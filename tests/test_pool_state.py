@@ -89,8 +89,8 @@ class Walk:
         for p, n in full_refs.items():
             assert c.refcount(p) == n
         # the allocators' count of pages with several holders (cascade's fast path)
-        assert c._allocator.num_shared_pages == sum(n > 1 for n in full_refs.values())
-        assert c._window_allocator.num_shared_pages == sum(n > 1 for n in window_refs.values())
+        assert c._pools[0].allocator.num_shared_pages == sum(n > 1 for n in full_refs.values())
+        assert c._pools[1].allocator.num_shared_pages == sum(n > 1 for n in window_refs.values())
 
     def expect_unchanged(self, call, *errors):
         before = self.snapshot()

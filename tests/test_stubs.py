@@ -22,6 +22,8 @@ ALLOWLIST = r"""
 # doctest and pickling helpers of every Cython module and extension type
 pagedkv\._\w+\.__test__
 pagedkv\._\w+(\.\w+)?\.__(reduce|setstate)_cython__
+# the C functions a module shares with the modules that cimport it
+pagedkv\._\w+\.__pyx_capi__
 # an extension type's __cinit__ takes the constructor's arguments, which Python
 # cannot introspect: the stubs give them as __init__'s
 pagedkv\._\w+\.\w+\.__init__
@@ -33,7 +35,8 @@ ignore_missing_imports = True
 follow_imports = silent
 """
 
-COMPILED = ("_allocator", "_page_table", "_cpuid", "_ints", "_rows")
+COMPILED = ("_allocator", "_pool", "_page_table", "_placement", "_prefix_chains", "_cpuid",
+            "_ints", "_rows")
 
 
 def test_every_compiled_module_ships_a_stub():

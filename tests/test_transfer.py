@@ -235,25 +235,25 @@ def test_a_window_that_starts_inside_a_page_is_held_from_there(backend):
                                        **TOLERANCE["float32"])
 
 
-@pytest.mark.parametrize("window_from,first_row,match", [
+@pytest.mark.parametrize("first_page,first_row,match", [
     (1, 3, "first_row: expected a position of page 1 \\(4 to 7\\), got 3"),
     (1, 8, "first_row: expected a position of page 1 \\(4 to 7\\), got 8"),
     (1, 7, "first_row: .* from position 6; expected first_row <= 6, got 7"),
 ])
-def test_a_first_row_the_window_cannot_hold_from_is_refused(backend, window_from, first_row,
+def test_a_first_row_the_window_cannot_hold_from_is_refused(backend, first_page, first_row,
                                                              match):
-    """``adopt``'s ``first_row`` must lie in page ``window_from`` and not after what
+    """``adopt``'s ``first_row`` must lie in page ``first_page`` and not after what
     the next query sees; otherwise ValueError and nothing changes."""
     cache = make(backend, num_pages=16, layer_windows=[None, 4, 4], num_window_pages=16)
     before = (cache.num_free_pages, cache.num_free_window_pages, cache.seq_ids(),
               cache._tables.next_id)
     with pytest.raises(ValueError, match=match):
-        cache._tables.adopt(9, None, window_from, first_row=first_row)
+        cache._holdings.placement.adopt(9, None, first_page, first_row=first_row)
     assert (cache.num_free_pages, cache.num_free_window_pages, cache.seq_ids(),
             cache._tables.next_id) == before
-    seq = cache._tables.adopt(9, None, 1, first_row=6)     # the next query sees from 6
-    cache._tables.commit_place()
-    assert cache._tables.window_held_from(seq) == 6
+    seq = cache._holdings.placement.adopt(9, None, 1, first_row=6)   # the next query sees from 6
+    cache._holdings.placement.commit()
+    assert cache._tables.held_from(seq, 1) == 6
 
 
 def test_a_window_page_without_its_first_rows_is_not_cached(backend):
@@ -503,7 +503,7 @@ def decode_matches_the_source(target, t, source, s, windows, rng, steps=3):
     ([None, 1, 1], 8, 2),      # the same, the last page full: every window page can go
 ])
 def test_window_pages_start_no_later_than_the_next_query_sees(backend, windows, length, edge):
-    """A sequence placed with its window pages before ``window_from`` given back must
+    """A sequence placed with its window pages before ``first_page`` given back must
     still hold the page of what its next query sees (the last token's page when it
     is partly full): later ones are refused with nothing changed; the latest
     allowed one decodes on like the source."""
@@ -523,12 +523,12 @@ def test_window_pages_start_no_later_than_the_next_query_sees(backend, windows, 
                 cache.stats(), cache._tables.next_id, cache.is_swapped(swapped))
 
     before = state()
-    for window_from in range(edge + 1, num_pages + 1):
-        with pytest.raises(ValueError, match=f"window_from: .* expected window_from <= {edge}, "
-                                             f"got {window_from}"):
-            pagedkv.transfer.import_sequence(cache._holdings, kv, window_from * 4)
-        with pytest.raises(ValueError, match="window_from"):
-            cache._tables.swap_in(swapped, window_from)
+    for first_page in range(edge + 1, num_pages + 1):
+        with pytest.raises(ValueError, match=f"first_page: .* expected first_page <= {edge}, "
+                                             f"got {first_page}"):
+            pagedkv.transfer.import_sequence(cache._holdings, kv, first_page * 4)
+        with pytest.raises(ValueError, match="first_page"):
+            cache._holdings.placement.swap_in(swapped, first_page)
         assert state() == before
     t = pagedkv.transfer.import_sequence(cache._holdings, kv, edge * 4)
     assert cache.window_page_count(t) == num_pages - edge
