@@ -279,7 +279,7 @@ def plan_cascade(tables: StepTables, groups: Sequence[Group], page_size: int,
         np.concatenate(shared_pages).astype(np.int32),
         key_cut=KeyCut(np.asarray(keep_lo, np.int64), np.asarray(keep_hi, np.int64), True))
     prepare_step(shared)
-    own = replace(tables, key_cut=KeyCut(skip_lo, skip_hi, False), _plans={})
+    own = replace(tables, key_cut=KeyCut(skip_lo, skip_hi, False), plans={})
     return CascadePlan(rows, shared, own, np.concatenate(shift), _sharing_of(groups))
 
 
@@ -344,25 +344,23 @@ class CascadeAttention:
         policy = self.policy
         if policy is None:
             return []
-        return tables.plan(
-            lambda t, _, b: find_groups(t, self.backend.page_size, b, policy, self.key_bytes),
-            None, band, kind="cascade groups")
+        return tables.kept(
+            ("cascade groups", band),
+            lambda: find_groups(tables, self.backend.page_size, band, policy, self.key_bytes))
 
     def sharing(self, tables: StepTables) -> Sharing:
         """The :class:`Sharing` of a step's ``tables`` (causal attention)."""
         return _sharing_of(self.groups(tables, None))
 
-    def _plan(self, tables: StepTables, num_heads: int,
-              band: "Optional[Band]") -> Optional[CascadePlan]:
-        return plan_cascade(tables, self.groups(tables, band), self.backend.page_size,
-                            self.backend.prepare_step)
 
     def plan(self, tables: StepTables, q: Any, spec: "AttentionSpec") -> Optional[CascadePlan]:
         """The step's :class:`CascadePlan` for ``q`` and ``spec`` (made once per
         step, head count and band), or None: one ordinary call."""
         if self.policy is None or self.backend.is_native(q):
             return None   # a device array stays on the device: no gather on the host
-        return tables.plan(self._plan, q.shape[1], spec.band, kind="cascade")
+        return tables.kept(("cascade", q.shape[1], spec.band), lambda: plan_cascade(
+            tables, self.groups(tables, spec.band), self.backend.page_size,
+            self.backend.prepare_step))
 
     def __call__(self, layer: int, tables: StepTables, q: Any, spec: "AttentionSpec",
                  out: Optional[np.ndarray] = None) -> Any:

@@ -227,7 +227,7 @@ def test_chunked_decode_reads_only_its_chunk(backend):
     batch = h.step([s], 1, attention_chunk_size=1024)   # position 3000: sees 2048 .. 3000
     spec = AttentionSpec.from_arguments(
         head_dim=64, num_heads=2, attention_chunk_size=1024)
-    plan = batch._tables.plan(None, 2, spec.band)
+    plan = h.cache._backend.plan(batch._tables, 2, spec.band)
     items = plan.host_items if hasattr(plan, "host_items") else plan.items
     assert items[:, ITEM.KEY0].min() == 2048 and items[:, ITEM.KEY1].max() == 3001
 

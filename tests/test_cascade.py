@@ -65,7 +65,7 @@ class Twin:
                                        **ROUNDING)
             h.compare(layer, seq_ids, counts, q, out, h.layer_variant(layer, variant))
             tables = c._layer_pool[layer].step_tables(batch)
-            used.append(any(plan is not None for key, plan in tables._plans.items()
+            used.append(any(plan is not None for key, plan in tables.plans.items()
                             if key[0] == "cascade"))
         self.used.append(tuple(used) if len(used) > 1 else any(used))
         return batch

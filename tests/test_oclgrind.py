@@ -202,7 +202,7 @@ def test_split_k_and_merge(grind, layout, dtype):
     s = h.add()
     h.step([s], 600, check=False)
     batch = h.step([s], 1)
-    assert batch._tables.plan(None, 2, None).num_segments == 1      # split, then merged
+    assert h.cache._backend.plan(batch._tables, 2, None).num_segments == 1   # split, then merged
     h.step([s], 1, sliding_window=300, sinks=np.array([1.0, -0.5]))
     h.step([s], 3, logits_soft_cap=2.0)
     grind.assert_clean()

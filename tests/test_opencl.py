@@ -540,7 +540,7 @@ def test_kernel_loop_counts_stay_within_the_bound(cl_device, head_dim, group, ro
         backend.prepare_step(tables)
         q = np.random.default_rng(0).standard_normal((rows, group, head_dim), dtype=np.float32)
         assert np.isfinite(backend.attention(0, tables, q, spec)).all()
-        plan = tables.plan(None, group, None)
+        plan = backend.plan(tables, group, None)
         items = plan.host_items
         queries = (items[:, ITEM.ROW1] - items[:, ITEM.ROW0]) * plan.group
         keys = items[:, ITEM.KEY1] - items[:, ITEM.KEY0]
@@ -579,7 +579,7 @@ def test_long_context_on_the_cpu_layout_matches_reference(cl_device):
     # ~450,000 loop iterations over them, 7x what llvmpipe allows
     cache = opencl_cache(cl_device, 1, 128, num_pages=100, backend_options=layout_options("cpu"))
     out, expected, batch = attend_at_the_end(cache, 6, 1500, 64, 1)
-    assert batch._tables.plan(None, 1, None).num_parts > 1
+    assert cache._backend.plan(batch._tables, 1, None).num_parts > 1
     np.testing.assert_allclose(out, expected, **TOLERANCE["float32"])
 
 
@@ -590,7 +590,7 @@ def test_long_context_on_the_cpu_layout_matches_reference(cl_device):
 def test_split_k_long_decode_matches_reference(cl_device, layout):
     cache = opencl_cache(cl_device, 1, 64, num_pages=320, backend_options=layout_options(layout))
     out, expected, batch = attend_at_the_end(cache, 3, 5000, 1, 4)
-    plan = batch._tables.plan(None, 4, None)
+    plan = cache._backend.plan(batch._tables, 4, None)
     assert plan.num_segments == 1 and plan.num_parts > 1      # split, then merged
     np.testing.assert_allclose(out, expected, **TOLERANCE["float32"])
 
@@ -603,7 +603,7 @@ def test_split_k_part_that_some_queries_cannot_see(cl_device, layout):
     cache = opencl_cache(cl_device, 1, 32, num_pages=4, page_size=1024,
                          backend_options=layout_options(layout))
     out, expected, batch = attend_at_the_end(cache, 4, 1050, 64, 1)
-    assert batch._tables.plan(None, 1, None).num_segments >= 1
+    assert cache._backend.plan(batch._tables, 1, None).num_segments >= 1
     np.testing.assert_allclose(out, expected, **TOLERANCE["float32"])
 
 
@@ -618,7 +618,7 @@ def test_group_larger_than_a_work_group_holds(cl_device):
     batch = cache.append([s], [9])
     cache.store(0, batch, k, v)
     out = cache.attention(0, batch, q)
-    assert batch._tables.plan(None, 128, None).sub_groups > 1
+    assert cache._backend.plan(batch._tables, 128, None).sub_groups > 1
     np.testing.assert_allclose(out, dense_attention(q, k, v, np.arange(9)),
                                **TOLERANCE["float32"])
 

@@ -13,7 +13,8 @@ backend may assume well-formed input:
 """
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional, Sequence, Tuple, TypeVar
+from typing import (TYPE_CHECKING, Any, Callable, Hashable, NamedTuple, Optional, Sequence,
+                    Tuple, TypeVar)
 
 import numpy as np
 
@@ -46,6 +47,10 @@ class StepTables:
         False when no page of the pool had two holders as the step was made
         (no fork, no prefix-cache hit): no two sequences of the step share a
         page, and the shared-prefix planner skips its search.  True: unknown.
+    plans : dict
+        The plans made for this step (``Backend.plan``, the shared-prefix
+        planner's), by kind, head count and band: made once, and every layer
+        of the step reuses them (work list, uploads, thread count).
     """
     query_start: np.ndarray
     seq_lens: np.ndarray
@@ -55,25 +60,17 @@ class StepTables:
     device: Any = None
     key_cut: Any = None
     may_share: bool = True
-    _plans: dict = field(default_factory=dict, repr=False)
+    plans: dict = field(default_factory=dict, repr=False)
 
     @property
     def num_tokens(self) -> int:
         return len(self.slot_mapping)
 
-    def plan(self, make_plan: "Callable[[StepTables, _Heads, Optional[Band]], _Plan]",
-             num_heads: _Heads, band: "Optional[Band]", kind: str = "kernels") -> _Plan:
-        """The attention plan of this step for a query-head count and band.
-
-        ``band``: an :class:`pagedkv.attention_spec.Band`, or None (causal).
-        ``make_plan(self, num_heads, band)`` runs once per distinct ``kind``
-        of plan (the backend's kernel plan, the cascade plan) and pair; every
-        layer of the step then reuses its plan (work list, uploads, thread count).
-        """
-        key = (kind, num_heads, band)
-        if key not in self._plans:
-            self._plans[key] = make_plan(self, num_heads, band)
-        return self._plans[key]
+    def kept(self, key: Hashable, make: "Callable[[], _Plan]") -> _Plan:
+        """``plans[key]``, made by ``make()`` the first time it is asked for."""
+        if key not in self.plans:
+            self.plans[key] = make()
+        return self.plans[key]
 
 
 class StoredRows(NamedTuple):
@@ -154,6 +151,18 @@ class Backend(ABC):
     @abstractmethod
     def prepare_step(self, tables: StepTables) -> None:
         """Called once per ``append`` with its :class:`StepTables`; may set ``tables.device``."""
+
+    def plan(self, tables: StepTables, num_heads: int, band: "Optional[Band]") -> Any:
+        """The attention plan of the step ``tables`` for ``num_heads`` query heads and
+        ``band`` (an :class:`pagedkv.attention_spec.Band`, or None: causal): made
+        once per step, head count and band by ``make_plan``, kept in
+        ``tables.plans`` for every layer."""
+        return tables.kept(("kernels", num_heads, band),
+                           lambda: self.make_plan(tables, num_heads, band))
+
+    @abstractmethod
+    def make_plan(self, tables: StepTables, num_heads: int, band: "Optional[Band]") -> Any:
+        """A new attention plan (see ``plan``): the work list and what the kernels need."""
 
     @abstractmethod
     def copy_pages(self, src: np.ndarray, dst: np.ndarray, layers: Sequence[int]) -> None:

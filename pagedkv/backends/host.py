@@ -139,7 +139,7 @@ class HostBackend(Backend):
                   out: Optional[np.ndarray] = None,
                   lse: Optional[np.ndarray] = None) -> np.ndarray:
         q = self._host_f32(q)
-        plan = tables.plan(self._plan, q.shape[1], spec.band)
+        plan = self.plan(tables, q.shape[1], spec.band)
         out = np.empty_like(q) if out is None else out
         params: "AttentionParams" = dict(heads_per_item=plan.heads_per_item, max_rows_per_item=plan.max_rows,
                       scale=spec.scale, soft_cap=spec.logits_soft_cap or 0.0,
@@ -153,7 +153,8 @@ class HostBackend(Backend):
             sinks=spec.sinks, out=out, params=params, bias_slopes=spec.alibi_slopes, lse=lse)
         return out
 
-    def _plan(self, tables: StepTables, num_heads: int, band: "Optional[Band]") -> _HostPlan:
+    def make_plan(self, tables: StepTables, num_heads: int,
+                  band: "Optional[Band]") -> _HostPlan:
         """Work items for one step, reused by every layer.
 
         An item covers as many KV heads as the query budget allows while the

@@ -535,14 +535,14 @@ class OpenCLBackend(Backend):
             for queue in {x.queue for x in native if x.queue is not None and x.queue != self.queue}:
                 self._cl.enqueue_barrier(queue, wait_for=[done])
 
-    def _plan(self, tables: StepTables, num_heads: int, band: "Optional[Band]") -> _Plan:
+    def make_plan(self, tables: StepTables, num_heads: int, band: "Optional[Band]") -> _Plan:
         return _Plan(self, tables, num_heads, band)
 
     def attention(self, layer: int, tables: StepTables, q: Any, spec: "AttentionSpec",
                   out: Optional[np.ndarray] = None, lse: Optional[np.ndarray] = None) -> Any:
         self._check_process()
         native = self.is_native(q)
-        plan = tables.plan(self._plan, q.shape[1], spec.band)
+        plan = self.plan(tables, q.shape[1], spec.band)
         result = out
         if plan.num_items == 0:   # no new tokens: nothing to launch (and no empty buffers)
             self._flush()
