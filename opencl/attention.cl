@@ -193,11 +193,9 @@ void paged_attention(__global const float* q,              /* [T, num_heads, D],
                      const int num_new_tokens, const int scatter_rows, const long num_slots,
                      const int group, const int num_groups, const int sub_groups,
                      const int page_size, const int num_pages, const int nnz,
-                     const float soft_cap,                 /* c of c * tanh(x / c); 0: none */
-                     __global const float* sinks,          /* [num_heads] */
-                     const int has_sinks,
-                     __global const float* bias_slopes,    /* [num_heads]: pkv_bias's slopes */
-                     const int has_bias,
+                     const pkv_variant variant,            /* the variant's scalars */
+                     __global const float* sinks,          /* has_sinks: [num_heads] */
+                     __global const float* bias_slopes,    /* has_bias: [num_heads], pkv_bias's */
                      __global float* out,                  /* [T, num_heads, D] */
                      __global float* lse,                  /* has_lse: [T, num_heads] */
                      const int has_lse,
@@ -221,6 +219,8 @@ void paged_attention(__global const float* q,              /* [T, num_heads, D],
 #endif
 
     const int lid = get_local_id(0);
+    const float soft_cap = variant.soft_cap;
+    const int has_sinks = variant.has_sinks, has_bias = variant.has_bias;
     const float inverse_cap = soft_cap > 0.0f ? 1.0f / soft_cap : 0.0f;
 #if PKV_VECTOR_ROWS
     if (get_group_id(0) >= num_items) {
@@ -570,8 +570,8 @@ void merge_partials(__global const int* items, __global const int* seg_items,
                     __global const float* part_max,    /* [P, PKV_NQ] */
                     __global const float* part_sum,
                     const int group, const int num_groups,
-                    __global const float* sinks,       /* [num_heads] */
-                    const int has_sinks,
+                    const pkv_variant variant,         /* the variant's scalars */
+                    __global const float* sinks,       /* has_sinks: [num_heads] */
                     __global float* out,               /* [T, num_heads, D] */
                     __global float* lse,               /* has_lse: [T, num_heads] */
                     const int has_lse,
@@ -601,7 +601,8 @@ void merge_partials(__global const int* items, __global const int* seg_items,
                 acc += PKV_VLOAD_F(((size_t)w * PKV_NQ + qi) * PKV_DV + vec, part_acc) * weight;
             }
             const int r = row0 + qi / group, head = h * group + qi % group;
-            const float inv = pkv_output_scale(m, total, has_sinks ? sinks[head] : -INFINITY);
+            const float inv = pkv_output_scale(m, total,
+                                               variant.has_sinks ? sinks[head] : -INFINITY);
             PKV_VSTORE_F(acc * inv, ((size_t)r * num_heads + head) * PKV_DV + vec, out);
             if (has_lse && vec == 0) lse[(size_t)r * num_heads + head] = pkv_log_sum(m, total);
         }

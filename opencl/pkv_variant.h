@@ -12,7 +12,9 @@
  *            (pkv_max_step, pkv_rescale, pkv_weight);
  *   merge    parts of one query combined (split-K), and the output scale
  *            with a sink in the denominator (pkv_part_weight,
- *            pkv_output_scale).
+ *            pkv_output_scale);
+ *   scalars  what a call of a variant takes besides its arrays, one struct
+ *            (pkv_variant) that both backends' attention calls take.
  *
  * The kernels differ in how they lay out and walk scores (a page of keys per
  * query, a block of queries per key, a work-group's chunk), not in these.
@@ -82,6 +84,23 @@ PKV_VARIANT_FN pkv_pos pkv_band_lo(pkv_band band, int row) {
 PKV_VARIANT_FN pkv_pos pkv_band_hi(pkv_band band, int row) {
     return band.hi + row;
 }
+
+/* -- the variant's scalars -------------------------------------------------------
+ * One struct, passed whole to the host's paged_attention (_kernels.pyx, in its
+ * AttentionParams) and by value to attention.cl's kernels.  Python fills it by
+ * field name from this list (pagedkv.backends.kernel_source.variant_scalars
+ * reads it: X(type, name) per field).  Every field is 4 bytes, so its layout
+ * is the same on the host and on any device. */
+#define PKV_VARIANT_FIELDS(X) \
+    X(float, soft_cap)    /* c of c * tanh(x / c); 0: none */ \
+    X(int, has_sinks)     /* a sink logit per query head (the call's sinks array) */ \
+    X(int, has_bias)      /* an ALiBi slope per query head (the call's bias_slopes) */
+
+#define PKV_VARIANT_MEMBER(type, name) type name;
+typedef struct {
+    PKV_VARIANT_FIELDS(PKV_VARIANT_MEMBER)
+} pkv_variant;
+#undef PKV_VARIANT_MEMBER
 
 #endif /* PKV_VARIANT_BAND_H */
 

@@ -9,13 +9,20 @@ from typing import Optional, TypedDict, type_check_only
 import numpy as np
 import numpy.typing as npt
 
+# the dict of `pkv_variant` (opencl/pkv_variant.h), as AttentionParams holds it
+@type_check_only
+class Variant(TypedDict):
+    soft_cap: float
+    has_sinks: int
+    has_bias: int
+
 # the dict paged_attention converts to its `cdef struct AttentionParams` (no runtime name)
 @type_check_only
 class AttentionParams(TypedDict):
     heads_per_item: int
     max_rows_per_item: int
     scale: float
-    soft_cap: float
+    variant: Variant
     rotation_block: int
     rotation_scale: float
     num_threads: int

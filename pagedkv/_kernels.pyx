@@ -24,6 +24,10 @@ cdef extern from "pkv_half.h" nogil:
 
 cdef extern from "pkv_variant.h" nogil:
     # the variant contract (opencl/pkv_variant.h; pkv_simd.h defines its exp and tanh)
+    ctypedef struct pkv_variant:    # the variant's scalars (PKV_VARIANT_FIELDS)
+        float soft_cap
+        int has_sinks
+        int has_bias
     ctypedef struct pkv_band:   # the C struct may have more fields; Cython reads none
         int64_t lo
         int64_t hi
@@ -337,7 +341,7 @@ cdef struct AttentionParams:
     int heads_per_item          # KV heads per work item (its KV_HEAD is the first)
     int max_rows_per_item       # the most query rows of any item
     float scale                 # the logits' scale, folded into the queries
-    float soft_cap              # c of c * tanh(x / c); 0: none
+    pkv_variant variant         # the variant's scalars, as the OpenCL kernels take them
     int rotation_block          # int8: the Hadamard block of the rows (0: none)
     float rotation_scale        # 1 / sqrt(rotation_block)
     int num_threads             # OpenMP threads (ignored in a build without OpenMP)
@@ -376,7 +380,7 @@ cdef void attend_item(const float[:, :, ::1] q,
     cdef int key0 = item[PKV_W_KEY0], key1 = item[PKV_W_KEY1]
     cdef pkv_band band = PKV_ITEM_BAND(item)
     cdef int heads_per_item = params.heads_per_item, rotation_block = params.rotation_block
-    cdef float scale = params.scale, soft_cap = params.soft_cap
+    cdef float scale = params.scale, soft_cap = params.variant.soft_cap
     cdef float rotation_scale = params.rotation_scale
     cdef int D = q.shape[2], ps = k_pool.shape[2]
     cdef int group = q.shape[1] // k_pool.shape[1]
@@ -586,7 +590,7 @@ cdef void attend_item_blocks(const float[:, :, ::1] q,
     cdef int key0 = item[PKV_W_KEY0], key1 = item[PKV_W_KEY1]
     cdef pkv_band band = PKV_ITEM_BAND(item)
     cdef int heads_per_item = params.heads_per_item, rotation_block = params.rotation_block
-    cdef float scale = params.scale, soft_cap = params.soft_cap
+    cdef float scale = params.scale, soft_cap = params.variant.soft_cap
     cdef float rotation_scale = params.rotation_scale
     cdef int D = q.shape[2], group = q.shape[1] // k_pool.shape[1]
     cdef storage_t* dummy = NULL
@@ -708,16 +712,19 @@ def paged_attention(const float[:, :, ::1] q,
         Query block ``m`` owns items ``item_offsets[m]:item_offsets[m+1]``
         (more than one when its key range is split).
     sinks : float32 [num_heads] or None
+        Read with ``params["variant"]["has_sinks"]``.
     out : float32 [T, num_heads, D]
     bias_slopes : float32 [num_heads] or None
-        Per query head, the slope of ``pkv_bias`` (``opencl/pkv_variant.h``):
-        the logit of the key at position j for the query at position p gains
-        ``bias_slopes[h] * (j - p)`` after the soft cap.  None: no bias.
+        With ``params["variant"]["has_bias"]``: per query head, the slope of
+        ``pkv_bias`` (``opencl/pkv_variant.h``): the logit of the key at
+        position j for the query at position p gains ``bias_slopes[h] * (j -
+        p)`` after the soft cap.
     lse : float32 [T, num_heads] or None
         Receives each query's log-sum-exp of its logits (-inf: it saw no key).
     params : dict
         The fields of ``AttentionParams`` (above), each by name: the
-        variant's scalars (``scale``, ``soft_cap``), the int8 rotation
+        scale, the variant's scalars (``variant``: a dict of ``pkv_variant``'s
+        fields, ``kernel_source.variant_scalars``), the int8 rotation
         (``rotation_block``: the queries are rotated like the stored rows,
         the output back), the plan's ``heads_per_item`` and
         ``max_rows_per_item``, and ``num_threads``.
@@ -749,8 +756,13 @@ def paged_attention(const float[:, :, ::1] q,
     cdef float[:, ::1] scratch = scratch_buf
     rows_buf = np.empty((num_threads, 4 * PKV_BLOCK_KEYS), dtype=np.intp)
     cdef Py_ssize_t[:, ::1] rows = rows_buf
-    cdef const float* sink_ptr = &sinks[0] if sinks is not None else NULL
-    cdef const float* slopes_ptr = &bias_slopes[0] if bias_slopes is not None else NULL
+    if params.variant.has_sinks and (sinks is None or sinks.shape[0] < q.shape[1]) or \
+            params.variant.has_bias and (bias_slopes is None or
+                                         bias_slopes.shape[0] < q.shape[1]):
+        raise ValueError(f"sinks, bias_slopes: expected [{q.shape[1]}] float32 each where "
+                         f"params' variant has them")
+    cdef const float* sink_ptr = &sinks[0] if params.variant.has_sinks else NULL
+    cdef const float* slopes_ptr = &bias_slopes[0] if params.variant.has_bias else NULL
     cdef float* lse_ptr = &lse[0, 0] if lse is not None else NULL
     cdef Py_ssize_t slot, i
     with nogil:

@@ -12,23 +12,25 @@ argument positions.
 """
 import re
 import threading
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple, Type
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from pagedkv import _process
-from pagedkv.backends.kernel_source import read_source
+from pagedkv.backends.kernel_source import read_source, variant_dtype
 
 if TYPE_CHECKING:   # annotations only: pyopencl is imported lazily
     import pyopencl
 
-#: A kernel's arguments: (name, numpy scalar type, or None for a buffer).
-Signature = List[Tuple[str, Optional[Type[np.generic]]]]
+#: A kernel's arguments: (name, numpy scalar type or struct dtype, or None for a buffer).
+Signature = List[Tuple[str, Any]]
 
 _KERNEL = re.compile(r"__kernel\s+(?:__attribute__\(\(.*?\)\)\s*)?void\s+(\w+)\s*\((.*?)\)\s*\{",
                      re.DOTALL)
-_SCALARS: Dict[str, Type[np.generic]] = {"int": np.int32, "uint": np.uint32, "long": np.int64, "ulong": np.uint64,
-            "float": np.float32}
+_SCALARS: Dict[str, Any] = {"int": np.int32, "uint": np.uint32, "long": np.int64,
+                             "ulong": np.uint64, "float": np.float32,
+                             # a struct by value: a 0-d array of its numpy twin
+                             "pkv_variant": variant_dtype()}
 
 
 class KernelBuildError(RuntimeError):

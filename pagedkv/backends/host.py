@@ -11,6 +11,7 @@ import numpy as np
 from pagedkv import _process, _rows
 from pagedkv._cpu import kernels as _kernels
 from pagedkv.backends.base import Backend, StepTables, StoredRows, empty_rows
+from pagedkv.backends.kernel_source import variant_scalars
 from pagedkv.backends.schedule import ITEM, plan_attention
 from pagedkv.cascade import CascadePolicy
 
@@ -142,7 +143,7 @@ class HostBackend(Backend):
         plan = self.plan(tables, q.shape[1], spec.band)
         out = np.empty_like(q) if out is None else out
         params: "AttentionParams" = dict(heads_per_item=plan.heads_per_item, max_rows_per_item=plan.max_rows,
-                      scale=spec.scale, soft_cap=spec.logits_soft_cap or 0.0,
+                      scale=spec.scale, variant=variant_scalars(spec),
                       rotation_block=self.storage.rotation_block,
                       rotation_scale=self.storage.rotation_scale,
                       num_threads=_fork_safe(plan.num_threads))

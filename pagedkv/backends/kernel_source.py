@@ -4,10 +4,12 @@ They ship in the wheel as the package ``pagedkv.opencl`` (the top-level
 ``opencl/`` folder of the source tree); when pagedkv runs from a source
 checkout that was never installed, they are read from ``<repo>/opencl``.
 Besides the OpenCL programs, the host build compiles against
-``pkv_work_item.h`` and ``pkv_storage.h``, and Python reads their lists from
-there, so the work-item layout and the storage formats are written down once
-for Python, Cython and OpenCL C.
+``pkv_work_item.h``, ``pkv_storage.h`` and ``pkv_variant.h``, and Python reads
+their lists from there, so the work-item layout, the storage formats and the
+variant's scalars (``pkv_variant``) are written down once for Python, Cython
+and OpenCL C.
 """
+import functools
 import importlib.resources
 import re
 import sys
@@ -15,11 +17,15 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, List, Optional
 
+import numpy as np
+
 if TYPE_CHECKING:   # annotations only
     if sys.version_info >= (3, 11):
         from importlib.resources.abc import Traversable
     else:
         from importlib.abc import Traversable
+    from pagedkv._kernels import Variant
+    from pagedkv.attention_spec import AttentionSpec
 
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([\w.]+)"\s*$', re.MULTILINE)
 
@@ -100,3 +106,30 @@ def storage_kinds() -> SimpleNamespace:
     text = source_dir().joinpath("pkv_storage.h").read_text(encoding="utf-8")
     kinds = re.findall(r"^#define PKV_STORAGE_(\w+) (\d+)$", text, re.MULTILINE)
     return SimpleNamespace(COUNT=len(kinds), **{name: int(value) for name, value in kinds})
+
+
+_C_SCALARS = {"float": np.float32, "int": np.int32}
+
+
+@functools.lru_cache(maxsize=None)
+def variant_dtype() -> np.dtype:
+    """The numpy twin of ``pkv_variant``, the variant's scalars (``PKV_VARIANT_FIELDS``
+    in ``pkv_variant.h``: one field per ``X(type, name)``, in order)."""
+    text = source_dir().joinpath("pkv_variant.h").read_text(encoding="utf-8")
+    line = re.search(r"^#define PKV_VARIANT_FIELDS\(X\)((?:.*\\\n)*.*)$", text, re.MULTILINE)
+    if line is None:
+        raise RuntimeError("pkv_variant.h has no '#define PKV_VARIANT_FIELDS(X) ...'")
+    fields = re.findall(r"\bX\((\w+),\s*(\w+)\)", re.sub(r"/\*.*?\*/", "", line.group(1)))
+    return np.dtype([(name, _C_SCALARS[kind]) for kind, name in fields])
+
+
+def variant_scalars(spec: "AttentionSpec") -> "Variant":
+    """The scalars of ``spec``'s variant as ``pkv_variant`` names them (what both
+    backends pass their kernels as that one struct)."""
+    values: "Variant" = {"soft_cap": spec.logits_soft_cap or 0.0,
+                         "has_sinks": int(spec.sinks is not None),
+                         "has_bias": int(spec.alibi_slopes is not None)}
+    if tuple(values) != variant_dtype().names:
+        raise RuntimeError(f"pkv_variant.h's fields {variant_dtype().names} are not the "
+                           f"scalars Python fills, {tuple(values)}")
+    return values

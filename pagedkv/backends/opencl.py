@@ -27,6 +27,7 @@ from pagedkv.backends._opencl_device import (FORKED_CHILD_REASON, has_preferred_
 from pagedkv.backends._opencl_layout import KernelLayout, _floor_pow2
 from pagedkv.backends._opencl_program import build_program
 from pagedkv.backends.base import Backend, StepTables, StoredRows, empty_rows
+from pagedkv.backends.kernel_source import variant_dtype, variant_scalars
 from pagedkv.backends.schedule import ITEM, plan_attention
 from pagedkv.cascade import CascadePolicy
 from pagedkv.errors import ArgumentTypeError, BackendUnavailableError
@@ -584,6 +585,7 @@ class OpenCLBackend(Backend):
         part_acc, part_max, part_sum = (self._work_buffer("part_acc", parts * self.head_dim),
                                         self._work_buffer("part_max", parts),
                                         self._work_buffer("part_sum", parts))
+        variant = np.array(tuple(variant_scalars(spec).values()), variant_dtype())
         sinks = self._placeholder if spec.sinks is None else self._upload(spec.sinks)
         slopes = (self._placeholder if spec.alibi_slopes is None
                   else self._upload(spec.alibi_slopes))
@@ -604,8 +606,8 @@ class OpenCLBackend(Backend):
             query_start=t.query_start, seq_lens=t.seq_lens,
             num_slots=self.layer_pages[layer] * self.page_size, **store, group=plan.group,
             num_groups=plan.num_groups, sub_groups=plan.sub_groups, page_size=self.page_size,
-            num_pages=self.layer_pages[layer], nnz=len(tables.page_indices), soft_cap=spec.logits_soft_cap or 0.0, sinks=sinks, has_sinks=spec.sinks is not None,
-            bias_slopes=slopes, has_bias=spec.alibi_slopes is not None, out=out_d, lse=lse_d,
+            num_pages=self.layer_pages[layer], nnz=len(tables.page_indices), variant=variant,
+            sinks=sinks, bias_slopes=slopes, out=out_d, lse=lse_d,
             has_lse=lse is not None, part_acc=part_acc, part_max=part_max, part_sum=part_sum,
             loop_counts=loop_counts)]
         if fused is not None:    # the store is launched: no longer owed
@@ -615,8 +617,7 @@ class OpenCLBackend(Backend):
                 self.queue, (plan.num_segments * mwg,), (mwg,),
                 items=plan.items, seg_items=plan.seg_items, seg_parts=plan.seg_parts,
                 part_acc=part_acc, part_max=part_max, part_sum=part_sum, group=plan.group,
-                num_groups=plan.num_groups, sinks=sinks, has_sinks=spec.sinks is not None,
-                out=out_d, lse=lse_d, has_lse=lse is not None, loop_counts=merge_counts))
+                num_groups=plan.num_groups, variant=variant, sinks=sinks, out=out_d, lse=lse_d, has_lse=lse is not None, loop_counts=merge_counts))
         events += self._rotate(out_d, rows)   # the output, back from the rotated basis
         self._last_events = events
         if counting:
