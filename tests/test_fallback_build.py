@@ -47,7 +47,7 @@ def fallback_kernels(tmp_path_factory):
     build = tmp_path_factory.mktemp("fallback")
     sources = files("pagedkv")
     shutil.copy(sources / "_kernels.pyx", build / "fallback_kernels.pyx")
-    for header in ("pkv_half.h", "pkv_simd.h", "pkv_block.h", "pkv_quant.h"):
+    for header in ("pkv_half.h", "pkv_simd.h", "pkv_block.h", "pkv_quant.h", "_kernels_rows.pxi"):
         shutil.copy(sources / header, build / header)
     for header in ("pkv_work_item.h", "pkv_storage.h", "pkv_tanh.h", "pkv_variant.h"):
         shutil.copy(files("pagedkv.opencl") / header, build / header)

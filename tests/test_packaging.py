@@ -13,8 +13,10 @@ import pagedkv
 
 def test_cython_sources_ship_with_the_package():
     names = {p.name for p in files("pagedkv").iterdir()}
-    for source in ("_allocator.pyx", "_allocator.pxd", "_page_table.pyx", "_kernels.pyx",
-                   "_kernels_level.pxi", "_cpuid.pyx", "_cpuid.pyi", "_ints.pyx", "_ints.pyi",
+    for source in ("_allocator.pyx", "_allocator.pxd", "_pool.pyx", "_pool.pxd",
+                   "_page_table.pyx", "_page_table.pxd", "_placement.pyx", "_prefix_chains.pyx",
+                   "pkv_page_table.h", "pkv_page_table.pxd", "_kernels.pyx",
+                   "_kernels_rows.pxi", "_kernels_level.pxi", "_cpuid.pyx", "_cpuid.pyi", "_ints.pyx", "_ints.pyi",
                    "_rows.pyx", "_rows.pyi",
                    "pkv_half.h",
                    "pkv_simd.h", "pkv_block.h", "pkv_quant.h", "pkv_hash.h", "pkv_cpuid.h",
@@ -23,7 +25,8 @@ def test_cython_sources_ship_with_the_package():
 
 
 def test_compiled_modules_load():
-    from pagedkv import _allocator, _cpu, _cpuid, _ints, _page_table, _rows  # noqa: F401
+    from pagedkv import (_allocator, _cpu, _cpuid, _ints, _page_table, _placement,  # noqa: F401
+                         _pool, _prefix_chains, _rows)
     assert _cpu.kernels.__name__.startswith("pagedkv._kernels_")
     assert "host" in pagedkv.available_backends()
 
