@@ -9,6 +9,7 @@ instead of the cache, so they depend on this one object and never on the
 cache's private attributes, and the cache is free to rearrange them.  It is
 frozen: the cache never replaces any of them, it only changes their contents.
 """
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Dict, Optional, Tuple
 
@@ -79,7 +80,7 @@ class CacheHoldings:
         """The full-attention pool's manager (always there; it holds the prefix chain)."""
         return self.pools[0]
 
-    @property
+    @functools.cached_property
     def window_pool(self) -> Optional[PoolManager]:
         """The sliding-window pool's manager, or None when no layer is windowed."""
         # (a loop: an unfinished generator is closed later, where an error raised in it is lost)

@@ -30,7 +30,7 @@ import numpy as np
 from pagedkv._allocator import PageAllocator
 from pagedkv._page_table import PageTables
 from pagedkv._pool import Pool
-from pagedkv._protocols import PageAllocatorLike, PageTablesLike
+from pagedkv._protocols import PageTablesLike
 
 if TYPE_CHECKING:   # annotations only
     from pagedkv._page_table import AppendTables
@@ -133,6 +133,11 @@ class PoolManager:
         self.spec = spec
         self.pool = pool
         self.tables = tables
+        # read on every step: plain attributes
+        #: The pool's place in the page tables (and in each step's ``AppendTables.pools``).
+        self.index: int = pool.index
+        self.allocator: PageAllocator = pool.allocator
+        self.layers: Tuple[int, ...] = spec.layers
 
     @classmethod
     def page_pool(cls, spec: PoolSpec, index: int, allocator: PageAllocator,
@@ -152,19 +157,6 @@ class PoolManager:
     @property
     def name(self) -> str:
         return self.spec.name
-
-    @property
-    def index(self) -> int:
-        """The pool's place in the page tables (and in each step's ``AppendTables.pools``)."""
-        return self.pool.index
-
-    @property
-    def allocator(self) -> PageAllocatorLike:
-        return self.pool.allocator
-
-    @property
-    def layers(self) -> Tuple[int, ...]:
-        return self.spec.layers
 
     def keep_from(self, old_len: int, new_len: int) -> int:
         """The first position a sequence must keep here after a step from ``old_len``

@@ -95,35 +95,37 @@ class StepBatch(_ReadOnlyTables):
                  tables: "AppendTables"):
         private = {name: _frozen(getattr(tables, name))
                    for name in ("query_start", "seq_lens", "page_indptr", "last_page_len")}
-        for pool_tables in tables.pools:         # (the kernels' own: read-only)
-            for name in ("slot_mapping", "page_indices", "block_table"):
-                _frozen(getattr(pool_tables, name))
-        for name in ("slot_mapping", "page_indices", "block_table"):
-            private[name] = getattr(tables.pools[0], name)
-        private["seq_ids"] = _frozen(seq_ids)
+        p = private
+        # each pool's tables as the kernels read them (read-only).  A page of the
+        # step with two holders would have to be on the allocator's count now:
+        # nothing makes two sequences of the step share one later (a fork, import
+        # or prefix hit makes a new sequence, outside the step)
+        pool_tables = []
+        for pool, own in zip(holdings.pools, tables.pools):
+            _frozen(own.block_table)
+            pool_tables.append(StepTables(
+                p["query_start"], p["seq_lens"], _frozen(own.slot_mapping), p["page_indptr"],
+                _frozen(own.page_indices), may_share=pool.allocator.num_shared_pages > 0))
+        self._pool_tables: Tuple[StepTables, ...] = tuple(pool_tables)
+        self._tables = pool_tables[0]
+        first = tables.pools[0]
+        p["slot_mapping"] = first.slot_mapping
+        p["page_indices"] = first.page_indices
+        p["block_table"] = first.block_table
+        p["seq_ids"] = _frozen(seq_ids)
         super().__init__(private)
         self._cache = cache             # whose step it is: the only cache that takes it
         self._attend = attend
         self._generation = generation
         self._stored_layers: Set[int] = set()
-        p = private
-        # each pool's tables as the kernels read them.  A page of the step with two
-        # holders would have to be on the allocator's count now: nothing makes two
-        # sequences of the step share one later (a fork, import or prefix hit makes
-        # a new sequence, outside the step)
-        self._pool_tables: Tuple[StepTables, ...] = tuple(
-            StepTables(p["query_start"], p["seq_lens"], pool_tables.slot_mapping,
-                       p["page_indptr"], pool_tables.page_indices,
-                       may_share=pool.allocator.num_shared_pages > 0)
-            for pool, pool_tables in zip(holdings.pools, tables.pools))
-        self._tables = self._pool_tables[0]
         self.window_tables: Optional[WindowTables] = None
         window_pool = holdings.window_pool
         if window_pool is not None:
-            window = {"page_indptr": p["page_indptr"], "last_page_len": p["last_page_len"]}
-            for name in ("slot_mapping", "page_indices", "block_table"):
-                window[name] = getattr(window_pool.pool_tables(tables), name)
-            self.window_tables = WindowTables(window)
+            own = tables.pools[window_pool.index]
+            self.window_tables = WindowTables({
+                "page_indptr": p["page_indptr"], "last_page_len": p["last_page_len"],
+                "slot_mapping": own.slot_mapping, "page_indices": own.page_indices,
+                "block_table": own.block_table})
 
     seq_ids = property(lambda self: self._view("seq_ids"))
     query_start = property(lambda self: self._view("query_start"))
