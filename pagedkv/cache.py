@@ -211,7 +211,6 @@ class PagedKVCache:
             pools, [PageAllocator(pool.num_pages, self.page_size, enable_prefix_caching)
                     for pool in pools], prefix_hash)
         self._allocator = self._pools[0].allocator
-        self._window_pool = next((pool for pool in self._pools if pool.pool.gives_back), None)
         self._placement = Placement(self._tables)
         layer_pool = [self._pools[0]] * self.num_layers     # each layer's pool manager
         for manager in self._pools:
@@ -294,13 +293,15 @@ class PagedKVCache:
     @exclusive
     def num_window_pages(self) -> int:
         """Pages in the windowed layers' pool (0 when no layer is windowed)."""
-        return self._window_pool.allocator.num_pages if self._window_pool else 0
+        window = self._holdings.window_pool
+        return window.allocator.num_pages if window else 0
 
     @property
     @exclusive
     def num_free_window_pages(self) -> int:
         """Window pages an ``append`` can take now (0 when no layer is windowed)."""
-        return self._window_pool.allocator.num_free if self._window_pool else 0
+        window = self._holdings.window_pool
+        return window.allocator.num_free if window else 0
 
     @property
     def memory_bytes(self) -> int:
@@ -324,16 +325,18 @@ class PagedKVCache:
     @exclusive
     def window_page_count(self, seq_id: int) -> int:
         """Pages the sequence holds in the window pool (0 when no layer is windowed)."""
-        return self._window_pool.held_pages(seq_id) if self._window_pool else 0
+        window = self._holdings.window_pool
+        return window.held_pages(seq_id) if window else 0
 
     @exclusive
     def window_page_ids(self, seq_id: int) -> np.ndarray:
         """The sequence's window-pool page ids in position order, -1 for pages given
         back; ndarray, shape [page_count], int32 (empty when no layer is windowed)."""
-        if self._window_pool is None:
+        window = self._holdings.window_pool
+        if window is None:
             self._tables.pages(seq_id)          # (an unknown id raises all the same)
             return np.zeros(0, np.int32)
-        return self._window_pool.page_ids(seq_id)
+        return window.page_ids(seq_id)
 
     @exclusive
     def refcount(self, page_id: int) -> int:
