@@ -15,6 +15,8 @@ Cases (32 query heads over 8 KV heads, head_dim 128, float32, page 16, one layer
   windowed  32 sequences x 8,192 tokens, one new token each, ``sliding_window=512``
   int8      the decode case with ``dtype="int8"``
   softcap   the decode case with ``logits_soft_cap=30.0``
+  cascade   32 forks of a 2,048-token prefix with 64 tokens each of their own, one
+            new token each (``cascade="auto"``: the shared pages read once)
 
 Each round runs base and head once for every (backend, case), base first in
 even rounds and head first in odd ones; each child times its case as the best
@@ -28,7 +30,7 @@ default run (5 rounds, both backends, every case: 100 children) takes about
 (1 minute with a warm compiler cache, up to 4 without).
 
     python benchmarks/bench_ab.py [--base 970316e] [--backends host,opencl] [--rounds 5]
-        [--cases decode,prefill,windowed,int8,softcap] [--repeat 5] [--keep-base DIR]
+        [--cases decode,prefill,windowed,int8,softcap,cascade] [--repeat 5] [--keep-base DIR]
 
 ``--keep-base DIR`` keeps the base worktree (built) in DIR and reuses it on
 later runs, which saves the build.
@@ -48,9 +50,10 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 HEAD_TREE = os.path.dirname(HERE)
-CASES = ("decode", "prefill", "windowed", "int8", "softcap")
+CASES = ("decode", "prefill", "windowed", "int8", "softcap", "cascade")
 NUM_SEQS, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, PAGE = 32, 32, 8, 128, 16
 DECODE_LEN, PREFILL_LEN, WINDOW_LEN, WINDOW = 2048, 2048, 8192, 512
+CASCADE_OWN = 64
 SOFT_CAP = 30.0
 # The sides' sums of |attention output| may differ by this much (relative): summation
 # order and int8 rounding may change between commits, the result may not.
@@ -62,6 +65,7 @@ CASE_KWARGS = {
     "windowed": {"sliding_window": WINDOW},
     "int8": {},
     "softcap": {"logits_soft_cap": SOFT_CAP},
+    "cascade": {},
 }
 BUILT_MARKER = ".bench_ab_built"
 
@@ -129,8 +133,32 @@ def _prefill_cache(pagedkv, backend, rows):
     return cache, batch, q
 
 
+def _cascade_cache(pagedkv, backend, rows):
+    """NUM_SEQS forks of a DECODE_LEN-token prefix, CASCADE_OWN tokens each of their
+    own and one new token each, stored; returns (cache, batch, q)."""
+    k, v = rows
+    own_pages = -(-(CASCADE_OWN + 1) // PAGE) + 1
+    cache = pagedkv.PagedKVCache(1, NUM_KV_HEADS, HEAD_DIM,
+                                 num_pages=-(-DECODE_LEN // PAGE) + NUM_SEQS * own_pages,
+                                 page_size=PAGE, backend=backend, cascade="auto")
+    root = cache.add_sequence()
+    cache.store(0, cache.append([root], DECODE_LEN), k[:DECODE_LEN], v[:DECODE_LEN])
+    seqs = [cache.fork(root) for _ in range(NUM_SEQS)]
+    cache.free(root)
+    batch = cache.append(seqs, CASCADE_OWN)
+    n = NUM_SEQS * CASCADE_OWN
+    cache.store(0, batch, k[:n], v[:n])
+    batch = cache.append(seqs, 1)
+    cache.store(0, batch, k[n:n + NUM_SEQS], v[n:n + NUM_SEQS])
+    q = np.random.default_rng(1).standard_normal((NUM_SEQS, NUM_HEADS, HEAD_DIM),
+                                                 dtype=np.float32)
+    return cache, batch, q
+
+
 def _case_cache(pagedkv, backend, case):
     """The cache, batch and queries that ``case`` times."""
+    if case == "cascade":
+        return _cascade_cache(pagedkv, backend, _kv_rows(DECODE_LEN))
     if case == "prefill":
         return _prefill_cache(pagedkv, backend, _kv_rows(PREFILL_LEN))
     if case == "windowed":
