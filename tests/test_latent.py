@@ -218,3 +218,31 @@ def test_bad_arguments_name_themselves_and_change_nothing(backend):
         separate.store(0, sbatch, np.ones((2, 1, 64), np.float32))
     with pytest.raises(ValueError, match="were not stored"):
         separate.attention(0, sbatch, np.ones((2, 1, 64), np.float32))
+
+
+def test_import_converts_between_dtypes_and_torch_tensors_go_through(backend):
+    import torch
+    source = Latent(backend, "float16")
+    a = source.add()
+    source.step([a], 21)
+    target = Latent(backend, "int8")
+    b = target.cache.import_sequence(source.cache.export_sequence(a))
+    for layer in range(2):
+        want = source.cache.gather(layer, a)[0]
+        got = target.cache.gather(layer, b)[0]
+        err = np.linalg.norm(got - want, axis=-1) / np.linalg.norm(want, axis=-1)
+        assert err.max() < INT8_ROW_ERROR
+    target.rows[b] = [target.cache.gather(layer, b)[0] for layer in range(2)]
+    target.step([b], 2)
+    # torch tensors in, a torch tensor of v_head_dim columns out
+    batch = target.cache.append([b], 1)
+    k = torch.randn(1, 1, HEAD_DIM)
+    q = torch.randn(1, NUM_HEADS, HEAD_DIM)
+    for layer in range(2):
+        target.cache.store(layer, batch, k)
+        out = target.cache.attention(layer, batch, q, scale=SCALE)
+        assert isinstance(out, torch.Tensor) and out.shape == (1, NUM_HEADS, V_HEAD_DIM)
+        rows = target.cache.gather(layer, b)[0]
+        want = dense_attention(q.numpy(), rows, rows[..., :V_HEAD_DIM], [len(rows) - 1],
+                               scale=SCALE)
+        np.testing.assert_allclose(out.numpy(), want, **TOLERANCE["int8"])
