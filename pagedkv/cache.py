@@ -689,12 +689,8 @@ class PagedKVCache:
         """The first ``v_head_dim`` columns of latent attention's ``out``
         [total_new, num_heads, head_dim] (the kernels sum whole latent rows,
         whose leading columns are the values), C-contiguous, of ``out``'s kind."""
-        if isinstance(out, np.ndarray):
-            values = np.ascontiguousarray(out[..., :self.v_head_dim])
-            return sys.modules["torch"].from_numpy(values) if as_torch else values
-        # a device array: its columns through the host (pyopencl slices no inner axis)
-        values = np.ascontiguousarray(out.get()[..., :self.v_head_dim])
-        return sys.modules["pyopencl.array"].to_device(out.queue, values)
+        values = self._backend.leading_columns(out, self.v_head_dim)
+        return sys.modules["torch"].from_numpy(values) if as_torch else values
 
     # -- prefix cache ------------------------------------------------------------------
     @exclusive

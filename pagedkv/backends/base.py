@@ -193,6 +193,12 @@ class Backend(ABC):
         logits, ``m + log(sum_j exp(x_j - m))`` (-inf for a query that sees no
         key): what merges two attentions over disjoint keys."""
 
+    def leading_columns(self, x: Any, width: int) -> Any:
+        """``x[..., :width]`` of an ``attention`` result ``x`` [total_new, num_heads,
+        head_dim] (numpy, or one of ``array_types``), C-contiguous, of ``x``'s kind:
+        latent rows' values are their first ``width`` columns."""
+        return np.ascontiguousarray(x[..., :width])
+
     @abstractmethod
     def gather(self, layer: int, slots: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
         """K and V at ``slots`` (int64 [n]) as float32 numpy arrays [n, num_kv_heads, head_dim]."""

@@ -670,6 +670,23 @@ class OpenCLBackend(Backend):
                     slot_mapping=pending.tables.device.slot_mapping,
                     num_new_tokens=num_tokens, scatter_rows=per_group)
 
+    def leading_columns(self, x: Any, width: int) -> Any:
+        if not self.is_native(x):
+            return super().leading_columns(x, width)
+        # a pyopencl array: the columns by one rectangular copy on the device
+        rows, columns = int(np.prod(x.shape[:-1])), x.shape[-1]
+        out = _cl_array.empty(self.queue, x.shape[:-1] + (width,), np.float32,
+                              allocator=self._zeros)
+        out.allocator = None
+        if rows:
+            copy: Any = self._cl.enqueue_copy     # (pyopencl's stubs lack the rectangular form)
+            event = copy(
+                self.queue, out.base_data, x.base_data, src_origin=(x.offset, 0), dst_origin=(0, 0),
+                region=(width * 4, rows), src_pitches=(columns * 4,), dst_pitches=(width * 4,),
+                wait_for=x.events)
+            out.add_event(event)
+        return out
+
     @property
     def last_attention_kernel_seconds(self) -> Optional[float]:
         """Device seconds of the last ``attention`` call's kernels, from profiling events.
