@@ -133,7 +133,7 @@ class HostBackend(Backend):
 
     def store(self, layer: int, tables: StepTables, k: Any, v: Any) -> None:
         k = self._host_f32(k)
-        # latent rows: the scatter writes k into the one pool it is given twice
+        # latent rows: the scatter is given the K pool as V's too, and writes each row once
         v = k if v is None else self._host_f32(v)
         _kernels.scatter(self._k[layer], self._v[layer], self._k_scales[layer],
                          self._v_scales[layer], tables.slot_mapping, k, v,

@@ -516,7 +516,7 @@ class OpenCLBackend(Backend):
         if tables.num_tokens == 0:
             return
         kd, k_wait = self._device_f32(k, "k")
-        # latent rows: the scatter writes k into the one pool it is given twice
+        # latent rows: the scatter is given the K pool as V's too, and writes each row once
         vd, v_wait = (kd, []) if v is None else self._device_f32(v, "v")
         if self._fuses_store and isinstance(k, np.ndarray) and \
                 (v is None or isinstance(v, np.ndarray)):
