@@ -32,6 +32,7 @@ __kernel void scatter_kv_int8(__global const float* k, __global const float* v,
     float row[PKV_D];
     for (int i = 0; i < PKV_D; ++i) row[i] = k[gid * PKV_D + i];
     k_scales[dst / PKV_D] = pkv_quantize(row, k_pool + dst);
+    if (v_pool == k_pool) return;   /* latent rows: the values are the row just stored */
     for (int i = 0; i < PKV_D; ++i) row[i] = v[gid * PKV_D + i];
     v_scales[dst / PKV_D] = pkv_quantize(row, v_pool + dst);
 }

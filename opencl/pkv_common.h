@@ -180,7 +180,8 @@ inline void pkv_scatter_vector(const ulong gid, __global const float* k, __globa
     const ulong dst = pkv_row((int)(slot / page_size), h, (int)(slot % page_size),
                               num_kv_heads, page_size) / PKV_VW + vec;
     PKV_VSTORE_S(PKV_VLOAD_F(gid, k), dst, k_pool);
-    PKV_VSTORE_S(PKV_VLOAD_F(gid, v), dst, v_pool);
+    if (v_pool != k_pool)   /* latent rows: the values are the row just stored */
+        PKV_VSTORE_S(PKV_VLOAD_F(gid, v), dst, v_pool);
 }
 
 /* A float vector rounded as the pools store it (what a store then a load gives). */

@@ -54,9 +54,10 @@ def scatter(storage_t[:, :, :, ::1] k_pool, storage_t[:, :, :, ::1] v_pool,
     """Write token ``t`` of ``k``/``v`` ([T, H, D] float32) at ``slot_mapping[t]``; -1 skips.
 
     int8: each row is rotated and quantized, its scale written to ``k_scales``
-    / ``v_scales``."""
+    / ``v_scales``.  Latent rows (``v_pool`` is ``k_pool``): each row once, from ``k``."""
     cdef Py_ssize_t t, h, H = k.shape[1], D = k.shape[2]
     cdef int64_t slot, page, offset, ps = k_pool.shape[2]
+    cdef bint latent = &v_pool[0, 0, 0, 0] == &k_pool[0, 0, 0, 0]
     tmp_buf = np.empty((num_threads, D), dtype=np.float32)
     cdef float[:, ::1] tmp = tmp_buf
     for t in prange(slot_mapping.shape[0], nogil=True, schedule="static",
@@ -69,8 +70,9 @@ def scatter(storage_t[:, :, :, ::1] k_pool, storage_t[:, :, :, ::1] v_pool,
         for h in range(H):
             store_row(k_pool, k_scales, page, h, offset, &k[t, h, 0], rotation_block,
                       rotation_scale, &tmp[threadid(), 0])
-            store_row(v_pool, v_scales, page, h, offset, &v[t, h, 0], rotation_block,
-                      rotation_scale, &tmp[threadid(), 0])
+            if not latent:
+                store_row(v_pool, v_scales, page, h, offset, &v[t, h, 0], rotation_block,
+                          rotation_scale, &tmp[threadid(), 0])
 
 
 def gather(storage_t[:, :, :, ::1] pool, const float[:, :, ::1] scales,

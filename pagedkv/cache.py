@@ -120,6 +120,17 @@ class PagedKVCache:
         (docs/cascade.md); "off" reads them once per sequence.  Results
         agree within float32 rounding.  ``StepBatch.sharing`` says what a
         step shares.
+    kv_layout : {"separate", "latent"}, default "separate"
+        ``"separate"``: a K pool and a V pool per layer.  ``"latent"``
+        (multi-head latent attention, DeepSeek V2/V3): one pool of rows of
+        ``head_dim`` values per layer, whose first ``v_head_dim`` columns are
+        the values, read in place; ``num_kv_heads`` must be 1, ``store`` takes
+        ``v=None`` and ``attention`` returns ``v_head_dim`` columns per head
+        (``docs/latent.md``).
+    v_head_dim : int, optional
+        The values' width (default ``head_dim``).  ``"latent"``: at most
+        ``head_dim``.  ``"separate"``: ``head_dim`` (V rows of another width
+        are not supported yet).
 
     Raises
     ------
@@ -152,7 +163,8 @@ class PagedKVCache:
                  layer_windows: Optional[Sequence[Optional[int]]] = None,
                  num_window_pages: Optional[int] = None, window_rollback_tokens: int = 1,
                  kv_rotation: bool = True, backend_options: Optional[dict] = None,
-                 cascade: str = "auto"):
+                 cascade: str = "auto", kv_layout: str = "separate",
+                 v_head_dim: Optional[int] = None):
         self._guard = Guard()
         self.num_layers = check_int("num_layers", num_layers, minimum=1)
         self.num_kv_heads = check_int("num_kv_heads", num_kv_heads, minimum=1)
@@ -164,8 +176,13 @@ class PagedKVCache:
                              f"{num_pages * self.page_size}")
         if not isinstance(kv_rotation, bool):
             raise ArgumentTypeError(f"kv_rotation: expected a bool, got {kv_rotation!r}")
+        #: ``"separate"`` (K and V pools) or ``"latent"`` (one pool of latent rows).
+        self.kv_layout = self._check_layout(kv_layout)
+        #: The values' width: of V rows, or the leading columns of a latent row.
+        self.v_head_dim = self._check_v_head_dim(v_head_dim)
         #: The storage format (:class:`pagedkv.storage.StorageFormat`).
-        self.storage = storage_format(self._check_dtype(dtype), self.head_dim, kv_rotation)
+        self.storage = storage_format(self._check_dtype(dtype), self.head_dim, kv_rotation,
+                                      latent=self.kv_layout == "latent")
         self.kv_rotation = kv_rotation
         self.dtype = self.storage.element
         self.max_seq_len = None if max_seq_len is None else \
@@ -196,7 +213,7 @@ class PagedKVCache:
         page_bytes = self.storage.page_bytes(self.num_kv_heads, self.page_size, self.head_dim)
         per_page = _ALLOCATOR_BYTES_PER_PAGE + enable_prefix_caching * self.page_size \
             * _ALLOCATOR_BYTES_PER_CACHED_TOKEN
-        check_fits(2 * page_bytes * sum(layer_pages)
+        check_fits(self.storage.num_pools * page_bytes * sum(layer_pages)
                    + per_page * sum(pool.num_pages for pool in pools),
                    f"num_pages: {num_pages} pages of {self.num_layers} layers"
                    + "".join(f" and {pool.num_pages} {pool.name} pages" for pool in pools[1:]))
@@ -224,7 +241,7 @@ class PagedKVCache:
         self._holdings = CacheHoldings(
             num_layers=self.num_layers, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
             page_size=self.page_size, storage=self.storage, kv_rotation=self.kv_rotation,
-            layer_windows=self.layer_windows, window_rollback_tokens=rollback,
+            kv_layout=self.kv_layout, v_head_dim=self.v_head_dim, layer_windows=self.layer_windows, window_rollback_tokens=rollback,
             max_seq_len=self.max_seq_len,
             prefix_caching=self.prefix_caching, tables=self._tables,
             placement=self._placement, chains=PrefixChains(self._tables), pools=self._pools,
@@ -261,6 +278,29 @@ class PagedKVCache:
                 w = min(w, MAX_WINDOW)
             windows.append(w)
         return tuple(windows)
+
+    def _check_layout(self, kv_layout):
+        """``kv_layout``, checked (and ``num_kv_heads`` against it)."""
+        if kv_layout not in ("separate", "latent"):
+            raise ValueError(f"kv_layout: expected 'separate' or 'latent', got {kv_layout!r}"
+                             [:200])
+        if kv_layout == "latent" and self.num_kv_heads != 1:
+            raise ValueError(f"num_kv_heads: kv_layout='latent' keeps one latent row per "
+                             f"token (one KV head), expected 1, got {self.num_kv_heads}")
+        return kv_layout
+
+    def _check_v_head_dim(self, v_head_dim):
+        """``v_head_dim`` (default ``head_dim``), checked against the layout."""
+        if v_head_dim is None:
+            return self.head_dim
+        if self.kv_layout == "latent":
+            return check_int("v_head_dim", v_head_dim, minimum=1, maximum=self.head_dim)
+        v_head_dim = check_int("v_head_dim", v_head_dim, minimum=1)
+        if v_head_dim != self.head_dim:
+            raise ValueError(f"v_head_dim: kv_layout='separate' keeps V rows of head_dim="
+                             f"{self.head_dim} values (another width is not supported yet); "
+                             f"got {v_head_dim}")
+        return v_head_dim
 
     @staticmethod
     def _check_dtype(dtype):
@@ -305,7 +345,8 @@ class PagedKVCache:
 
     @property
     def memory_bytes(self) -> int:
-        """Bytes of K/V page storage (all layers, K and V, both pools)."""
+        """Bytes of K/V page storage (all layers, K and V, both pools; latent:
+        ``head_dim`` values, and int8 one scale, per token per layer)."""
         return self._backend.memory_bytes
 
     @exclusive
@@ -518,7 +559,7 @@ class PagedKVCache:
 
 
     @exclusive
-    def store(self, layer: int, batch: StepBatch, k: Any, v: Any) -> None:
+    def store(self, layer: int, batch: StepBatch, k: Any, v: Any = None) -> None:
         """Write the step's new K and V of one layer into their slots.
 
         Once every layer of the step is stored, the pages it filled join the
@@ -528,16 +569,27 @@ class PagedKVCache:
         ----------
         layer : int
         batch : StepBatch
-        k, v : array, shape [total_new, num_kv_heads, head_dim], float
+        k : array, shape [total_new, num_kv_heads, head_dim], float
             numpy arrays, torch CPU tensors, CPU ``__dlpack__`` objects (float16,
             bfloat16, float32 or float64, any strides), or the backend's device
-            arrays (opencl: ``pyopencl.array.Array``).  Rounded to the storage dtype.
+            arrays (opencl: ``pyopencl.array.Array``).  Rounded to the storage
+            dtype.  ``kv_layout="latent"``: the latent rows.
+        v : array, shape [total_new, num_kv_heads, v_head_dim], float
+            The kinds ``k`` takes; ``kv_layout="latent"``: None (the values
+            are the first ``v_head_dim`` columns of ``k``).
         """
         layer = self._check_step(layer, batch)
         shape = (batch.num_tokens, self.num_kv_heads, self.head_dim)
         native = self._backend.array_types
+        if self.kv_layout == "latent" and v is not None:
+            raise ValueError("v: kv_layout='latent' stores one latent row per token, whose "
+                             "first v_head_dim columns are the values; pass v=None")
+        if self.kv_layout == "separate" and v is None:
+            raise ValueError(f"v: expected an array of shape [{batch.num_tokens}, "
+                             f"{self.num_kv_heads}, {self.v_head_dim}], got None")
         k = check_tensor("k", k, shape, native_types=native)
-        v = check_tensor("v", v, shape, native_types=native)
+        if v is not None:
+            v = check_tensor("v", v, shape[:2] + (self.v_head_dim,), native_types=native)
         self._backend.store(layer, self._layer_pool[layer].step_tables(batch), k, v)
         batch._stored_layers.add(layer)
         if len(batch._stored_layers) == self.num_layers and self._tables.has_open_step:
@@ -595,7 +647,7 @@ class PagedKVCache:
 
         Returns
         -------
-        out : shape [total_new, num_heads, head_dim], float32
+        out : shape [total_new, num_heads, v_head_dim], float32
             A torch tensor when ``q`` is one, a ``pyopencl.array.Array`` when
             ``q`` is one, else a numpy array.
 
@@ -628,11 +680,20 @@ class PagedKVCache:
         if layer not in batch._stored_layers and batch.num_tokens:
             raise ValueError(f"layer: K/V of layer {layer} were not stored for this step; "
                              f"call store({layer}, batch, k, v) first")
+        if self.kv_layout == "latent":
+            return self._values_of(self._attend(layer, tables, q, spec), as_torch)
         if not as_torch:
             return self._attend(layer, tables, q, spec)
         out = sys.modules["torch"].empty(q.shape, dtype=sys.modules["torch"].float32)
         self._attend(layer, tables, q, spec, out=out.numpy())
         return out
+
+    def _values_of(self, out, as_torch):
+        """The first ``v_head_dim`` columns of latent attention's ``out``
+        [total_new, num_heads, head_dim] (the kernels sum whole latent rows,
+        whose leading columns are the values), C-contiguous, of ``out``'s kind."""
+        values = self._backend.leading_columns(out, self.v_head_dim)
+        return sys.modules["torch"].from_numpy(values) if as_torch else values
 
     # -- prefix cache ------------------------------------------------------------------
     @exclusive
@@ -690,12 +751,19 @@ class PagedKVCache:
 
         Returns
         -------
-        k, v : ndarray, shape [seq_len - start, num_kv_heads, head_dim], float32
+        k : ndarray, shape [seq_len - start, num_kv_heads, head_dim], float32
+        v : ndarray, shape [seq_len - start, num_kv_heads, v_head_dim], float32
+            ``kv_layout="latent"``: ``k[..., :v_head_dim]`` (a view).
         """
         layer = check_int("layer", layer, minimum=0, maximum=self.num_layers - 1)
         length = self._tables.seq_len(seq_id)
         start = check_int("start", start, minimum=0, maximum=length)
-        return self._backend.gather(layer, self._slots(layer, seq_id, start, length, "start"))
+        return self._gathered(layer, self._slots(layer, seq_id, start, length, "start"))
+
+    def _gathered(self, layer, slots):
+        """K and V at ``slots`` of ``layer`` (latent: V a view of K's leading columns)."""
+        k, v = self._backend.gather(layer, slots)
+        return (k, k[..., :self.v_head_dim]) if self.kv_layout == "latent" else (k, v)
 
     def _slots(self, layer, seq_id, start, stop, name):
         """Slots of positions start:stop in the layer's pool; a windowed layer's
@@ -716,12 +784,13 @@ class PagedKVCache:
 
         Returns
         -------
-        k, v : ndarray, shape [num_kv_heads, head_dim], float32
+        k : ndarray, shape [num_kv_heads, head_dim], float32
+        v : ndarray, shape [num_kv_heads, v_head_dim], float32
         """
         layer = check_int("layer", layer, minimum=0, maximum=self.num_layers - 1)
         length = self._tables.seq_len(seq_id)
         pos = check_int("pos", pos, minimum=0, maximum=length - 1)
-        k, v = self._backend.gather(layer, self._slots(layer, seq_id, pos, pos + 1, "pos"))
+        k, v = self._gathered(layer, self._slots(layer, seq_id, pos, pos + 1, "pos"))
         return k[0], v[0]
 
     # -- sequences that leave the cache (pagedkv.transfer, pagedkv.kv_file) -------------

@@ -35,6 +35,10 @@ class CacheHoldings:
         How the pages store K/V.
     kv_rotation : bool
         The constructor's ``kv_rotation`` (a file records it whatever the dtype).
+    kv_layout : {"separate", "latent"}
+    v_head_dim : int
+        The values' width: V rows' (separate), or the leading columns of each
+        latent row that are its values (latent).
     layer_windows : tuple of (int or None), shape [num_layers]
         Each layer's sliding window, None for full attention.
     window_rollback_tokens : int
@@ -63,6 +67,8 @@ class CacheHoldings:
     page_size: int
     storage: StorageFormat
     kv_rotation: bool
+    kv_layout: str
+    v_head_dim: int
     layer_windows: Tuple[Optional[int], ...]
     window_rollback_tokens: int
     max_seq_len: Optional[int]

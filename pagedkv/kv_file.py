@@ -10,7 +10,9 @@ metadata entry and every tensor's name, dtype, shape and bytes (see
 :func:`checksum`).
 
 Tensors, with ``{l}`` a layer and rows ``[n, num_kv_heads, head_dim]`` in the
-storage dtype (scales ``[n, num_kv_heads]`` float32, int8 only):
+storage dtype (scales ``[n, num_kv_heads]`` float32, int8 only; the latent
+layout has no ``.v`` and ``.v_scales`` tensors: ``kv_layout`` and ``v_head_dim``
+are in the configuration, and a file without them is of the separate layout):
 
 * ``sequence.{i}.k.{l}``, ``.v.{l}``, ``.k_scales.{l}``, ``.v_scales.{l}``:
   sequence ``i``'s rows from its ``layer_start`` on (a
@@ -49,7 +51,9 @@ FORMAT_VERSION = "1"
 _CHECKSUM = "crc32"
 _CONFIGURATION = ("num_layers", "num_kv_heads", "head_dim", "num_pages", "page_size", "dtype",
                   "max_seq_len", "enable_prefix_caching", "layer_windows", "num_window_pages",
-                  "window_rollback_tokens", "kv_rotation")
+                  "window_rollback_tokens", "kv_rotation", "kv_layout", "v_head_dim")
+#: What a file written before a configuration entry existed stands for.
+_CONFIGURATION_BEFORE: Dict[str, Any] = {"kv_layout": "separate", "v_head_dim": None}
 
 
 class _FileError(ValueError):
@@ -92,7 +96,8 @@ def _configuration(holdings: CacheHoldings) -> Dict[str, Any]:
             "num_window_pages": window_pool.allocator.num_pages
             if window_pool is not None else None,
             "window_rollback_tokens": holdings.window_rollback_tokens,
-            "kv_rotation": holdings.kv_rotation}
+            "kv_rotation": holdings.kv_rotation, "kv_layout": holdings.kv_layout,
+            "v_head_dim": holdings.v_head_dim}
 
 
 def _row_tensors(prefix, rows_of_layers):
@@ -319,13 +324,20 @@ class _Contents:
 
     def __init__(self, path, metadata, tensors):
         self.path = path
-        config = {key: _json(path, metadata, key) for key in _CONFIGURATION}
+        config = {key: _json(path, metadata, key)
+                  if key in metadata or key not in _CONFIGURATION_BEFORE
+                  else _CONFIGURATION_BEFORE[key] for key in _CONFIGURATION}
+        if config["v_head_dim"] is None:
+            config["v_head_dim"] = config["head_dim"]
         self.config = config
-        for key in ("num_layers", "num_kv_heads", "head_dim", "page_size"):
+        for key in ("num_layers", "num_kv_heads", "head_dim", "page_size", "v_head_dim"):
             if isinstance(config[key], bool) or not isinstance(config[key], int) or \
                     config[key] < 1:
                 raise _FileError(path, f"{key}: expected an int >= 1 in its metadata, got "
                                        f"{_shown(config[key])}")
+        if config["kv_layout"] not in ("separate", "latent"):
+            raise _FileError(path, f"kv_layout: expected 'separate' or 'latent' in its "
+                                   f"metadata, got {_shown(config['kv_layout'])}")
         windows = config["layer_windows"]
         if not isinstance(windows, list) or len(windows) != config["num_layers"]:
             raise _FileError(path, f"layer_windows: expected a list of {config['num_layers']} "
@@ -371,7 +383,7 @@ class _Contents:
     def _storage(self, rotation):
         try:
             storage = storage_format(self.config["dtype"], self.config["head_dim"],
-                                     bool(rotation))
+                                     bool(rotation), latent=self.config["kv_layout"] == "latent")
         except ValueError as exc:
             raise _FileError(self.path, f"dtype: {exc}") from None
         if storage.rotation_block != rotation:
@@ -397,7 +409,8 @@ class _Contents:
             num_tokens=num_tokens, num_kv_heads=self.config["num_kv_heads"],
             head_dim=self.config["head_dim"], dtype=storage.name,
             rotation_block=storage.rotation_block, layer_start=tuple(starts),
-            **transfer.layer_arrays(storage, rows), token_ids=tokens)
+            **transfer.layer_arrays(storage, rows), token_ids=tokens,
+            kv_layout=self.config["kv_layout"], v_head_dim=self.config["v_head_dim"])
         try:
             return kv.check(f"sequences[{i}]")
         except ValueError as exc:
@@ -442,7 +455,7 @@ def load(holdings: CacheHoldings, path: Any) -> List[int]:
     """``cache.load``: see its docstring."""
     path = _check_path(path)
     contents = _Contents(path, *_read(path))
-    for key in ("num_layers", "num_kv_heads", "head_dim"):
+    for key in ("num_layers", "num_kv_heads", "head_dim", "kv_layout", "v_head_dim"):
         if contents.config[key] != getattr(holdings, key):
             raise _FileError(path, f"{key}: the file's K/V have {key}={contents.config[key]}, "
                                    f"this cache {getattr(holdings, key)}")

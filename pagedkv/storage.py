@@ -26,7 +26,7 @@ bfloat16: the high 16 bits of the float32, rounded to nearest even (a tie to
 the even neighbour, overflow to inf); NaN stays NaN (quieted, sign kept).
 float32's range with 8 bits of mantissa, at float16's two bytes a value.
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple, Tuple
 
 import numpy as np
@@ -139,6 +139,10 @@ class StorageFormat:
         Whether each row has a float32 scale beside its values.
     rotation_block : int
         Size of the Hadamard blocks rows are rotated by (0: not rotated).
+    latent : bool
+        The rows are latent rows (``kv_layout="latent"``): a layer keeps one
+        pool of rows (and, int8, their scales) and reads its values from
+        them, so there is no V pool to allocate, copy, export or save.
     """
     name: str
     element: np.dtype
@@ -146,6 +150,7 @@ class StorageFormat:
     kind: int
     scaled: bool = False
     rotation_block: int = 0
+    latent: bool = False
 
     @property
     def rotation_scale(self) -> float:
@@ -161,14 +166,18 @@ class StorageFormat:
 
     def copy_set(self, head_dim: int) -> Tuple[PoolPart, ...]:
         """The pools of one layer, as :class:`PoolPart` in :class:`StoredRows` order:
-        K and V values, then (int8) K and V row scales."""
+        K and V values, then (int8) K and V row scales; latent rows only K's."""
         values = (head_dim,)
-        parts = [PoolPart("k", self.element, self.kernel_element, values),
-                 PoolPart("v", self.element, self.kernel_element, values)]
+        sides = ("k",) if self.latent else ("k", "v")
+        parts = [PoolPart(side, self.element, self.kernel_element, values) for side in sides]
         if self.scaled:
-            parts += [PoolPart("k_scales", _SCALE, _SCALE, ()),
-                      PoolPart("v_scales", _SCALE, _SCALE, ())]
+            parts += [PoolPart(side + "_scales", _SCALE, _SCALE, ()) for side in sides]
         return tuple(parts)
+
+    @property
+    def num_pools(self) -> int:
+        """Pools of rows per layer: 2 (K and V), 1 for latent rows."""
+        return 1 if self.latent else 2
 
     @property
     def fields(self) -> Tuple[str, ...]:
@@ -188,7 +197,7 @@ class StorageFormat:
 
     def row_bytes(self, head_dim: int) -> int:
         """Bytes of one stored row: values, plus its scale."""
-        return sum(part.row_bytes for part in self.copy_set(head_dim)) // 2
+        return sum(part.row_bytes for part in self.copy_set(head_dim)) // self.num_pools
 
     def page_bytes(self, num_kv_heads: int, page_size: int, head_dim: int) -> int:
         """Bytes of one page of one pool (K or V) of one layer."""
@@ -216,14 +225,20 @@ def rotation_block(head_dim: int) -> int:
     return block
 
 
-def storage_format(name: str, head_dim: int, rotate: bool = True) -> StorageFormat:
-    """The :class:`StorageFormat` called ``name`` for rows of ``head_dim`` values.
+def storage_format(name: str, head_dim: int, rotate: bool = True,
+                   latent: bool = False) -> StorageFormat:
+    """The :class:`StorageFormat` called ``name`` for rows of ``head_dim`` values
+    (``latent``: latent rows, one pool per layer; see ``StorageFormat.latent``).
 
     Raises
     ------
     ValueError
         An unknown ``name``; the message names the accepted ones.
     """
+    return replace(_format(name, head_dim, rotate), latent=latent)
+
+
+def _format(name: str, head_dim: int, rotate: bool) -> StorageFormat:
     if name == "float32":
         return StorageFormat("float32", np.dtype(np.float32), np.dtype(np.float32),
                              KINDS.FLOAT32)

@@ -54,12 +54,18 @@ class SequenceKV:
         Layer ``l``'s K and V rows of positions ``layer_start[l]:num_tokens``,
         each C-contiguous, shape ``[num_tokens - layer_start[l], num_kv_heads,
         head_dim]``, in the storage dtype (float16 as ``numpy.float16``,
-        int8 as the stored integers).
+        int8 as the stored integers).  ``values`` is None in the latent layout
+        (the values are the keys' first ``v_head_dim`` columns).
     key_scales, value_scales : tuple of ndarray or None
         int8: each row's float32 scale, shape ``[num_tokens - layer_start[l],
-        num_kv_heads]`` per layer; None for float dtypes.
+        num_kv_heads]`` per layer; None for float dtypes (``value_scales``:
+        and in the latent layout).
     token_ids : ndarray, shape [num_tokens], int32, or None
         The sequence's token ids when the cache knew them (prefix caching).
+    kv_layout : {"separate", "latent"}
+        The layout of the cache it came from (``PagedKVCache(kv_layout=...)``).
+    v_head_dim : int or None
+        The values' width; None: ``head_dim``.
     """
     num_tokens: int
     num_kv_heads: int
@@ -68,10 +74,12 @@ class SequenceKV:
     rotation_block: int
     layer_start: Tuple[int, ...]
     keys: Tuple[np.ndarray, ...]
-    values: Tuple[np.ndarray, ...]
+    values: Optional[Tuple[np.ndarray, ...]]
     key_scales: Optional[Tuple[np.ndarray, ...]] = None
     value_scales: Optional[Tuple[np.ndarray, ...]] = None
     token_ids: Optional[np.ndarray] = None
+    kv_layout: str = "separate"
+    v_head_dim: Optional[int] = None
 
     def __post_init__(self):
         # sequences given as lists become the tuples a frozen object keeps
@@ -85,35 +93,43 @@ class SequenceKV:
         return len(self.layer_start)
 
     @property
+    def arrays(self) -> Tuple[np.ndarray, ...]:
+        """Every layer's arrays of rows: keys, values and scales (those it has)."""
+        return self.keys + (self.values or ()) + (self.key_scales or ()) + \
+            (self.value_scales or ())
+
+    @property
     def nbytes(self) -> int:
         """Bytes of K/V held: values and scales of every layer."""
-        arrays = self.keys + self.values + (self.key_scales or ()) + (self.value_scales or ())
-        return sum(a.nbytes for a in arrays)
+        return sum(a.nbytes for a in self.arrays)
 
     @property
     def storage(self):
         """The :class:`pagedkv.storage.StorageFormat` its rows are in."""
-        return storage_format(self.dtype, self.head_dim, self.rotation_block != 0)
+        return storage_format(self.dtype, self.head_dim, self.rotation_block != 0,
+                              latent=self.kv_layout == "latent")
 
     def rows(self, layer, start=None):
         """Layer ``layer``'s rows from position ``start`` (default: all held), as
         :class:`pagedkv.backends.base.StoredRows`."""
         skip = 0 if start is None else start - self.layer_start[layer]
-        scales = (self.key_scales[layer][skip:], self.value_scales[layer][skip:]) \
-            if self.key_scales is not None and self.value_scales is not None else (None, None)
-        return StoredRows(self.keys[layer][skip:], self.values[layer][skip:], *scales)
+
+        def rows_of(arrays):
+            return None if arrays is None else arrays[layer][skip:]
+        return StoredRows(rows_of(self.keys), rows_of(self.values), rows_of(self.key_scales),
+                          rows_of(self.value_scales))
 
     def __repr__(self):
         return (f"SequenceKV(num_tokens={self.num_tokens}, num_layers={self.num_layers}, "
                 f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
-                f"dtype={self.dtype!r}, nbytes={self.nbytes})")
+                f"dtype={self.dtype!r}, kv_layout={self.kv_layout!r}, nbytes={self.nbytes})")
 
     def copy(self) -> "SequenceKV":
         """A copy whose arrays are its own (writable, in one new buffer)."""
         rows = rows_in_one_buffer(self.storage, [self.num_tokens - s for s in self.layer_start],
                                   self.num_kv_heads, self.head_dim)
         for layer, copies in enumerate(rows):
-            for target, source in zip(copies, self.rows(layer)):
+            for target, source in zip(copies, self.rows(layer)):   # both None where absent
                 if target is not None:
                     target[...] = source
         return replace(self, **layer_arrays(self.storage, rows),
@@ -137,6 +153,17 @@ class SequenceKV:
         if self.num_kv_heads < 1 or self.head_dim < 1:
             raise ValueError(f"{name}: expected num_kv_heads and head_dim >= 1, got "
                              f"{self.num_kv_heads} and {self.head_dim}")
+        if self.kv_layout not in ("separate", "latent"):
+            raise ValueError(f"{name}.kv_layout: expected 'separate' or 'latent', got "
+                             f"{self.kv_layout!r}"[:200])
+        v_head_dim = self.head_dim if self.v_head_dim is None else self.v_head_dim
+        if isinstance(v_head_dim, bool) or not isinstance(v_head_dim, (int, np.integer)) or \
+                not 1 <= v_head_dim <= self.head_dim or \
+                self.kv_layout == "separate" and v_head_dim != self.head_dim:
+            raise ValueError(f"{name}.v_head_dim: expected None or an int in [1, head_dim="
+                             f"{self.head_dim}] (head_dim itself in the separate layout), "
+                             f"got {self.v_head_dim!r}"[:200])
+        self = replace(self, v_head_dim=int(v_head_dim))
         if self.dtype not in STORAGE_NAMES:
             raise ValueError(f"{name}.dtype: expected one of {STORAGE_NAMES}, got {self.dtype!r}")
         storage = self.storage
@@ -159,8 +186,8 @@ class SequenceKV:
             if part in parts:
                 arrays[field] = (given, parts[part].dtype, 2 + len(parts[part].row_shape))
             elif given is not None:
-                raise ValueError(f"{name}.{field}: {self.dtype} rows have no scales; "
-                                 f"expected None")
+                raise ValueError(f"{name}.{field}: {self.dtype} rows of the {self.kv_layout} "
+                                 f"layout have none; expected None")
         plain: Dict[str, Tuple[np.ndarray, ...]] = {}
         for field, (given, dtype, ndim) in arrays.items():
             if not isinstance(given, tuple) or len(given) != len(starts):
@@ -182,7 +209,7 @@ class SequenceKV:
                                            ids.shape != (self.num_tokens,)):
             raise ValueError(f"{name}.token_ids: expected None or an int32 array of shape "
                              f"[{self.num_tokens}]")
-        return replace(self, layer_start=starts, keys=plain["keys"], values=plain["values"],
+        return replace(self, layer_start=starts, keys=plain["keys"], values=plain.get("values"),
                        key_scales=plain.get("key_scales"), value_scales=plain.get("value_scales"),
                        token_ids=None if ids is None else np.require(ids, requirements=("C", "A")))
 
@@ -231,7 +258,7 @@ def rows_in_one_buffer(storage, counts, num_kv_heads, head_dim):
             nbytes = int(np.prod(shape)) * dtype.itemsize
             arrays.append(buffer[at:at + nbytes].view(dtype).reshape(shape))
             at += -(-nbytes // 64) * 64
-        rows.append(StoredRows(*arrays))
+        rows.append(StoredRows(**dict(zip(storage.fields, arrays))))
     return rows
 
 
@@ -259,7 +286,8 @@ def export_sequence(holdings: CacheHoldings, seq_id: int, copy: bool = True) -> 
         num_tokens=length, num_kv_heads=holdings.num_kv_heads, head_dim=holdings.head_dim,
         dtype=holdings.storage.name, rotation_block=holdings.storage.rotation_block,
         layer_start=tuple(layer_start), **layer_arrays(holdings.storage, rows),
-        token_ids=tokens if tokens is not None and len(tokens) == length else None)
+        token_ids=tokens if tokens is not None and len(tokens) == length else None,
+        kv_layout=holdings.kv_layout, v_head_dim=holdings.v_head_dim)
 
 
 def check_fits(holdings: CacheHoldings, kv: object, name: str = "kv") -> SequenceKV:
@@ -270,7 +298,7 @@ def check_fits(holdings: CacheHoldings, kv: object, name: str = "kv") -> Sequenc
         raise ArgumentTypeError(f"{name}: expected a pagedkv.SequenceKV (from "
                                 f"export_sequence), got {type(kv).__name__}")
     checked = kv.check(name)
-    for field in ("num_layers", "num_kv_heads", "head_dim"):
+    for field in ("num_layers", "num_kv_heads", "head_dim", "kv_layout", "v_head_dim"):
         if getattr(checked, field) != getattr(holdings, field):
             raise ValueError(f"{name}.{field}: this cache has {field}="
                              f"{getattr(holdings, field)}, the sequence's K/V "
@@ -334,7 +362,7 @@ def write_rows(holdings: CacheHoldings, layer: int, slots: npt.NDArray[np.int64]
         holdings.backend.write_rows(layer, slots, rows)
         return
     k = decode_rows(storage, rows.k, rows.k_scales)
-    v = decode_rows(storage, rows.v, rows.v_scales)
+    v = None if rows.v is None else decode_rows(storage, rows.v, rows.v_scales)
     n = len(slots)
     tables = StepTables(query_start=np.array([0, n], np.int32),
                         seq_lens=np.array([n], np.int32), slot_mapping=slots,
@@ -376,7 +404,7 @@ def import_sequence(holdings: CacheHoldings, kv: SequenceKV, start: Optional[int
 def swap_out(holdings: CacheHoldings, seq_id: int) -> None:
     """``cache.swap_out``: the sequence's K/V to host memory, its pages to the pools."""
     kv = export_sequence(holdings, seq_id)
-    for array in kv.keys + kv.values + (kv.key_scales or ()) + (kv.value_scales or ()) + \
+    for array in kv.arrays + \
             ((kv.token_ids,) if kv.token_ids is not None else ()):
         array.setflags(write=False)       # the cache's own: nothing may change them
     holdings.tables.swap_out(seq_id)

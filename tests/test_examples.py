@@ -5,6 +5,9 @@
   cache-free forward pass over the same tokens, on every backend;
 - the README's API snippet and the prefix-caching snippet of
   ``docs/prefix-caching.md``, extracted and executed as they stand;
+- ``examples/latent_attention.py`` (multi-head latent attention over a
+  ``kv_layout="latent"`` cache): it runs as a script, and on every backend its
+  absorbed attention equals the expanded form it checks itself against;
 - the transformers examples (``examples/hf_*.py``: attention only, ``generate``,
   ``generate_batch``) run on SmolLM2 and print what they claim.
 """
@@ -22,6 +25,7 @@ from reference import dense_attention
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 ENGINE_LOOP = ROOT / "examples" / "engine_loop.py"
+LATENT = ROOT / "examples" / "latent_attention.py"
 README = ROOT / "README.md"
 PREFIX_CACHING_DOC = ROOT / "docs" / "prefix-caching.md"
 
@@ -42,6 +46,19 @@ def test_engine_loop_runs_as_written(tmp_path):
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     assert len(lines) == 3 and all(" -> [" in line for line in lines), result.stdout
+
+
+def test_latent_example_runs_as_written(tmp_path):
+    load_example(LATENT)
+    result = subprocess.run([sys.executable, str(LATENT)], cwd=tmp_path, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "2,304 per token" in result.stdout, result.stdout
+
+
+def test_latent_example_matches_the_expanded_form(backend, capsys):
+    load_example(LATENT).main(decode_steps=2, backend=backend)   # it asserts every step
+    assert capsys.readouterr().out.count("max |absorbed - expanded|") == 3
 
 
 def dense_logits(model, tokens):

@@ -65,6 +65,11 @@ def test_chunked_layers_attend_with_their_chunk():
     assert spec.layer_windows == (None,) * 4     # chunked layers keep K/V in the full pool
 
 
+def _with_attribute(config, name, value):
+    setattr(config, name, value)
+    return config
+
+
 def _with_layer_types(types):
     config = tiny_llama_config()
     config.layer_types = types
@@ -80,8 +85,9 @@ def _with_layer_types(types):
      "config.num_key_value_heads: 3 does not divide num_attention_heads=4"),
     (lambda: __import__("transformers").Gemma3TextConfig(use_bidirectional_attention=True),
      "config.use_bidirectional_attention"),
-    (lambda: __import__("transformers").DeepseekV3Config(num_hidden_layers=2),
-     "config.kv_lora_rank"),
+    (lambda: _with_attribute(__import__("transformers").DeepseekV3Config(num_hidden_layers=2),
+                             "qk_rope_head_dim", 0),
+     "config.qk_rope_head_dim: expected a positive int"),
     (lambda: __import__("transformers").T5Config(), "config.is_encoder_decoder"),
     (lambda: {"num_hidden_layers": 2}, "config: expected a transformers PretrainedConfig"),
 ])

@@ -804,3 +804,20 @@ def test_int8_rows_at_the_ends_of_float32_store_the_same_bits(cl_device):
         kept.append(cache.gather(0, s))
     for a, b in zip(*kept):
         assert a.tobytes() == b.tobytes()
+
+
+@needs_opencl
+def test_latent_attention_of_pyopencl_arrays_stays_on_the_device(cl_device):
+    # the values' columns of each head's output are cut on the device, not through the host
+    cache = opencl_cache(cl_device, 1, 96, kv_layout="latent", v_head_dim=64)
+    queue = cache._backend.queue
+    s = cache.add_sequence()
+    batch = cache.append([s], 5)
+    rng = np.random.default_rng(0)
+    k = rng.standard_normal((5, 1, 96)).astype(np.float32)
+    q = rng.standard_normal((5, 4, 96)).astype(np.float32)
+    cache.store(0, batch, cl_array.to_device(queue, k))
+    out = cache.attention(0, batch, cl_array.to_device(queue, q))
+    assert isinstance(out, cl_array.Array) and out.shape == (5, 4, 64)
+    want = dense_attention(q, k, k[..., :64], np.arange(5))
+    np.testing.assert_allclose(out.get(), want, **TOLERANCE["float32"])

@@ -32,6 +32,12 @@ MAX_WORK_ITEM_ITERATIONS = 1 << 15
 POCL_CPU_WORK_ITEM_ITERATIONS = 1 << 18
 
 
+#: Floats of output accumulators one CPU work-item may hold: 16 queries of a
+#: 576-wide latent row (DeepSeek-V2-Lite's 16 heads over one KV head), which
+#: is also 64 queries of head_dim 128 with room to spare.
+_CPU_ACCUMULATOR_FLOATS = 16 * 576
+
+
 def _floor_pow2(n: Any) -> int:
     return 1 << (max(int(n), 1).bit_length() - 1)
 
@@ -146,8 +152,11 @@ class KernelLayout:
             "max_work_item_iterations",
             POCL_CPU_WORK_ITEM_ITERATIONS if pocl_cpu else MAX_WORK_ITEM_ITERATIONS))
         # Output accumulators live in registers (GPU) or per-work-item memory
-        # (CPU): at most this many floats of them per work-item.
-        acc_floats = 8192 if is_cpu else 64
+        # (CPU): at most this many floats of them per work-item.  On a CPU,
+        # enough for latent attention's 16 heads over one 576-wide row, which
+        # would otherwise be cut into two head groups, each reading every row
+        # (and staging it as K and as V) again.
+        acc_floats = _CPU_ACCUMULATOR_FLOATS if is_cpu else 64
         while self.max_queries > self.query_tile and \
                 self.max_queries * head_dim > acc_floats * self.work_group_size:
             self.max_queries //= 2

@@ -4,7 +4,10 @@
 backend may assume well-formed input:
 
 * pools: per layer, K and V, ``[layer_pages[layer], num_kv_heads, page_size, head_dim]``
-  (full-attention and windowed layers draw on pools of different sizes);
+  (full-attention and windowed layers draw on pools of different sizes); with
+  latent rows (``storage.latent``) K only, and V is the K pool itself: ``store``
+  gets ``v=None``, ``gather`` returns the rows twice, ``attention`` is
+  ``head_dim`` wide (the cache keeps the values' columns);
 * ``k``, ``v``: ``[total_new, num_kv_heads, head_dim]``, ``q``:
   ``[total_new, num_heads, head_dim]`` with ``num_heads % num_kv_heads == 0``,
   each a float numpy array (any strides) or one of ``array_types``;
@@ -78,12 +81,14 @@ class StoredRows(NamedTuple):
 
     Attributes
     ----------
-    k, v : ndarray, shape [n, num_kv_heads, head_dim], ``storage.element``
+    k : ndarray, shape [n, num_kv_heads, head_dim], ``storage.element``
+    v : ndarray, shape [n, num_kv_heads, head_dim], ``storage.element``, or None
+        None for latent rows (``storage.latent``: the values are read from ``k``).
     k_scales, v_scales : ndarray, shape [n, num_kv_heads], float32, or None
-        Each row's scale (formats whose ``storage.copy_set`` has them); None otherwise.
+        Each row's scale (the pools of ``storage.copy_set``); None otherwise.
     """
     k: np.ndarray
-    v: np.ndarray
+    v: Optional[np.ndarray] = None
     k_scales: Optional[np.ndarray] = None
     v_scales: Optional[np.ndarray] = None
 
@@ -171,7 +176,8 @@ class Backend(ABC):
 
     @abstractmethod
     def store(self, layer: int, tables: StepTables, k: Any, v: Any) -> None:
-        """Write ``k``, ``v`` [total_new, num_kv_heads, head_dim] at the step's slots (-1 skips)."""
+        """Write ``k``, ``v`` [total_new, num_kv_heads, head_dim] at the step's slots (-1 skips);
+        ``v`` is None for latent rows."""
 
     @abstractmethod
     def attention(self, layer: int, tables: StepTables, q: Any, spec: "AttentionSpec",
@@ -186,6 +192,12 @@ class Backend(ABC):
         ``spec`` without sinks) receives each query's log-sum-exp of its
         logits, ``m + log(sum_j exp(x_j - m))`` (-inf for a query that sees no
         key): what merges two attentions over disjoint keys."""
+
+    def leading_columns(self, x: Any, width: int) -> Any:
+        """``x[..., :width]`` of an ``attention`` result ``x`` [total_new, num_heads,
+        head_dim] (numpy, or one of ``array_types``), C-contiguous, of ``x``'s kind:
+        latent rows' values are their first ``width`` columns."""
+        return np.ascontiguousarray(x[..., :width])
 
     @abstractmethod
     def gather(self, layer: int, slots: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:

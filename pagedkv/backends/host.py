@@ -104,10 +104,12 @@ class HostBackend(Backend):
                                              part.kernel_dtype) for part in self._copy_set}
                        for n in layer_pages]
         self._k = [pools["k"] for pools in self._pools]
-        self._v = [pools["v"] for pools in self._pools]
         # the kernels take scale pools of every format: placeholders where it has none
         self._k_scales = [pools.get("k_scales", _no_scales()) for pools in self._pools]
-        self._v_scales = [pools.get("v_scales", _no_scales()) for pools in self._pools]
+        # latent rows: the kernels read the values from the K pool itself
+        values = "k" if storage.latent else "v"
+        self._v = [pools[values] for pools in self._pools]
+        self._v_scales = [pools.get(values + "_scales", _no_scales()) for pools in self._pools]
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.page_size = page_size
@@ -130,7 +132,9 @@ class HostBackend(Backend):
                 pool[dst] = pool[src]
 
     def store(self, layer: int, tables: StepTables, k: Any, v: Any) -> None:
-        k, v = self._host_f32(k), self._host_f32(v)
+        k = self._host_f32(k)
+        # latent rows: the scatter is given the K pool as V's too, and writes each row once
+        v = k if v is None else self._host_f32(v)
         _kernels.scatter(self._k[layer], self._v[layer], self._k_scales[layer],
                          self._v_scales[layer], tables.slot_mapping, k, v,
                          *self.storage.rotation,
@@ -217,24 +221,27 @@ class HostBackend(Backend):
         _kernels.gather(self._v[layer], self._v_scales[layer], slots, v, *rotation, threads)
         return k, v
 
-    def _row_pools(self, layer: int) -> List[np.ndarray]:
+    def _row_pools(self, layer: int) -> List[Tuple[str, np.ndarray]]:
         """The layer's copy set as ``[pages, H, page_size, row]`` arrays, in
-        :class:`StoredRows` order (a scale is a row of one float)."""
-        return [pool.reshape(pool.shape[:3] + (-1,)) for pool in self._pools[layer].values()]
+        :class:`StoredRows` order (a scale is a row of one float), each with
+        its field."""
+        return [(part.field, self._pools[layer][part.field].reshape(
+                    self._pools[layer][part.field].shape[:3] + (-1,)))
+                for part in self._copy_set]
 
     def read_rows(self, layer: int, slots: np.ndarray,
                   out: Optional[StoredRows] = None) -> StoredRows:
         if out is None:
             out = empty_rows(self.storage, len(slots), self.num_kv_heads, self.head_dim)
-        for pool, rows in zip(self._row_pools(layer), out):
-            assert rows is not None     # zip stops at the copy set's end, before absent scales
+        for field, pool in self._row_pools(layer):
+            rows = getattr(out, field)
             rows = rows.view(pool.dtype).reshape(len(slots), self.num_kv_heads, pool.shape[3])
             _rows.read_rows(_as_bytes(pool), slots, _as_bytes(rows))
         return out
 
     def write_rows(self, layer: int, slots: np.ndarray, rows: StoredRows) -> None:
-        given = [getattr(rows, part.field) for part in self._copy_set]
-        for pool, x in zip(self._row_pools(layer), given):
+        for field, pool in self._row_pools(layer):
+            x = getattr(rows, field)
             x = np.ascontiguousarray(x).view(pool.dtype).reshape(len(slots), self.num_kv_heads,
                                                                  pool.shape[3])
             _rows.write_rows(_as_bytes(pool), slots, _as_bytes(x))

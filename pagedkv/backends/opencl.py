@@ -264,9 +264,9 @@ class OpenCLBackend(Backend):
             raise MemoryError(f"num_pages: cannot allocate {self.memory_bytes} bytes of K/V "
                               f"on {device_name}: {exc}") from None
         self._k = [pools["k"] for pools in self._pools]
-        self._v = [pools["v"] for pools in self._pools]
-        self._k_scales = [pools["k_scales"] for pools in self._pools if "k_scales" in pools]
-        self._v_scales = [pools["v_scales"] for pools in self._pools if "v_scales" in pools]
+        # latent rows: the kernels read (and write) the values in the K pool itself
+        self._values = "k" if storage.latent else "v"
+        self._v = [pools[self._values] for pools in self._pools]
 
     @staticmethod
     def _check_options(options: Any) -> Dict[str, Any]:
@@ -334,19 +334,26 @@ class OpenCLBackend(Backend):
     # -- helpers --------------------------------------------------------------------
     @property
     def memory_bytes(self) -> int:
-        return 2 * sum(self.layer_pages) * self.storage.page_bytes(
+        return self.storage.num_pools * sum(self.layer_pages) * self.storage.page_bytes(
             self.num_kv_heads, self.page_size, self.head_dim)
 
     def _scales(self, layer: int) -> "Tuple[pyopencl.Buffer, pyopencl.Buffer]":
         """The layer's K and V scale buffers as the attention kernel takes them
         (placeholders for a format without scales)."""
         pools = self._pools[layer]
-        return pools.get("k_scales", self._placeholder), pools.get("v_scales", self._placeholder)
+        return (pools.get("k_scales", self._placeholder),
+                pools.get(self._values + "_scales", self._placeholder))
 
     def _pool_args(self, layer: int) -> Dict[str, Any]:     # (buffers, as **kwargs)
-        """The layer's copy set as scatter and gather take it, by argument name."""
+        """The layer's copy set as scatter and gather take it, by argument name
+        (latent rows: the K pool, and its scales, as V's too)."""
         pools = self._pools[layer]
-        return {part.argument: pools[part.field] for part in self._copy_set}
+        args = {part.argument: pools[part.field] for part in self._copy_set}
+        if self.storage.latent:
+            args["v_pool"] = args["k_pool"]
+            if "k_scales" in args:
+                args["v_scales"] = args["k_scales"]
+        return args
 
     def _rotate(self, x: "_DeviceMemory", rows: int) -> "List[pyopencl.Event]":
         """The format's rotations (``OpenCLKernels.rotations``; often none) of the
@@ -490,9 +497,13 @@ class OpenCLBackend(Backend):
         rows = self.num_kv_heads * self.page_size
         item = self.storage.element.itemsize
         parts = self._copy_set
+        # latent rows: the kernel copies the K pool as V too (a second copy of the same
+        # page, harmless), the one kernel for both layouts
+        pairs = [(part, part) for part in parts] if self.storage.latent else \
+            list(zip(parts[0::2], parts[1::2]))
         for layer in layers:
             pools = self._pools[layer]
-            for k_part, v_part in zip(parts[0::2], parts[1::2]):
+            for k_part, v_part in pairs:
                 elems = rows * k_part.row_bytes // item
                 self._launch(self._k_copy, len(src) * elems, k_pool=pools[k_part.field],
                              v_pool=pools[v_part.field], src=src_d, dst=dst_d,
@@ -505,13 +516,15 @@ class OpenCLBackend(Backend):
         if tables.num_tokens == 0:
             return
         kd, k_wait = self._device_f32(k, "k")
-        vd, v_wait = self._device_f32(v, "v")
-        if self._fuses_store and isinstance(k, np.ndarray) and isinstance(v, np.ndarray):
+        # latent rows: the scatter is given the K pool as V's too, and writes each row once
+        vd, v_wait = (kd, []) if v is None else self._device_f32(v, "v")
+        if self._fuses_store and isinstance(k, np.ndarray) and \
+                (v is None or isinstance(v, np.ndarray)):
             self._pending = _PendingStore(layer, tables, kd, vd)
             return
         # device arrays: the caller may write them once this returns, so the
         # scatter is queued now, and their next writes wait for it
-        self._hand_back(k, v, event=self._scatter(layer, tables, kd, vd, k_wait + v_wait))
+        self._hand_back(k, *([] if v is None else [v]), event=self._scatter(layer, tables, kd, vd, k_wait + v_wait))
 
     def _scatter(self, layer: int, tables: StepTables, k: "_DeviceMemory", v: "_DeviceMemory",
                  wait_for: "Optional[List[pyopencl.Event]]" = None) -> "pyopencl.Event":
@@ -657,6 +670,23 @@ class OpenCLBackend(Backend):
                     slot_mapping=pending.tables.device.slot_mapping,
                     num_new_tokens=num_tokens, scatter_rows=per_group)
 
+    def leading_columns(self, x: Any, width: int) -> Any:
+        if not self.is_native(x):
+            return super().leading_columns(x, width)
+        # a pyopencl array: the columns by one rectangular copy on the device
+        rows, columns = int(np.prod(x.shape[:-1])), x.shape[-1]
+        out = _cl_array.empty(self.queue, x.shape[:-1] + (width,), np.float32,
+                              allocator=self._zeros)
+        out.allocator = None
+        if rows:
+            copy: Any = self._cl.enqueue_copy     # (pyopencl's stubs lack the rectangular form)
+            event = copy(
+                self.queue, out.base_data, x.base_data, src_origin=(x.offset, 0), dst_origin=(0, 0),
+                region=(width * 4, rows), src_pitches=(columns * 4,), dst_pitches=(width * 4,),
+                wait_for=x.events)
+            out.add_event(event)
+        return out
+
     @property
     def last_attention_kernel_seconds(self) -> Optional[float]:
         """Device seconds of the last ``attention`` call's kernels, from profiling events.
@@ -691,11 +721,11 @@ class OpenCLBackend(Backend):
         return k, v
 
     # -- stored rows (export, import, swap) -------------------------------------------
-    def _row_buffers(self, layer: int) -> "List[Tuple[pyopencl.Buffer, int]]":
+    def _row_buffers(self, layer: int) -> "List[Tuple[str, pyopencl.Buffer, int]]":
         """The layer's copy set, in :class:`StoredRows` order, each pool with the bytes
         of one of its rows."""
         pools = self._pools[layer]
-        return [(pools[part.field], part.row_bytes) for part in self._copy_set]
+        return [(part.field, pools[part.field], part.row_bytes) for part in self._copy_set]
 
     def _rows_call(self, which: int, layer: int, slots_d: "pyopencl.Buffer", n: int,
                    pool: "pyopencl.Buffer", row_bytes: int,
@@ -716,8 +746,8 @@ class OpenCLBackend(Backend):
             out = empty_rows(self.storage, n, self.num_kv_heads, self.head_dim)
         if n:
             slots_d = self._upload(slots.astype(np.int64))
-            for (pool, row_bytes), rows in zip(self._row_buffers(layer), out):
-                assert rows is not None     # zip stops at the copy set's end, before absent scales
+            for field, pool, row_bytes in self._row_buffers(layer):
+                rows = getattr(out, field)
                 rows_d = self._cl.Buffer(self.context, self._cl.mem_flags.WRITE_ONLY, rows.nbytes)
                 self._rows_call(0, layer, slots_d, n, pool, row_bytes, rows_d)
                 self._cl.enqueue_copy(self.queue, rows, rows_d, is_blocking=False)
@@ -730,7 +760,7 @@ class OpenCLBackend(Backend):
         n = len(slots)
         if not n:
             return
-        given = [getattr(rows, part.field) for part in self._copy_set]
         slots_d = self._upload(slots.astype(np.int64))
-        for (pool, row_bytes), x in zip(self._row_buffers(layer), given):
+        for field, pool, row_bytes in self._row_buffers(layer):
+            x = getattr(rows, field)
             self._rows_call(1, layer, slots_d, n, pool, row_bytes, self._upload(x))

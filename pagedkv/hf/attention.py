@@ -93,10 +93,13 @@ def paged_attention_forward(module: "torch.nn.Module", query: "torch.Tensor",
     Returns
     -------
     out : torch.Tensor, shape [B, q, num_heads, head_dim]
+        Latent attention: ``[B, q, num_heads, v_head_dim]``, in the absorbed
+        form over the latent rows the cache took (``key`` and ``value``, the
+        model's expansion of the new tokens, are not read).
     None
         No attention weights.
     """
-    cache, layer = take_update(module, key)
+    cache, layer, latent_rows = take_update(module, key)
     if dropout:
         raise ValueError(f"dropout: pagedkv computes inference attention, got {dropout} "
                          f"(call model.eval())")
@@ -120,9 +123,61 @@ def paged_attention_forward(module: "torch.nn.Module", query: "torch.Tensor",
         variants["attention_chunk_size"] = spec.layer_chunks[layer]
     if s_aux is not None:
         variants["sinks"] = s_aux.detach().float().cpu()
+    if latent_rows is not None:
+        return _absorbed_attention(cache, module, layer, query, latent_rows, attention_mask,
+                                   variants, kwargs.get("position_ids")), None
     out = cache.attend(layer, query, key, value, attention_mask, variants,
                        kwargs.get("position_ids"))
     return out, None
+
+
+def _absorbed_attention(cache: Any, module: "torch.nn.Module", layer: int,
+                        query: "torch.Tensor", rows: "torch.Tensor",
+                        attention_mask: "Optional[torch.Tensor]", variants: Dict[str, Any],
+                        position_ids: "Optional[torch.Tensor]") -> "torch.Tensor":
+    """Multi-head latent attention in the absorbed form, over the cache's latent rows.
+
+    Head ``h``'s key of a token is ``[W_uk[h] c ; k_rope]`` and its value
+    ``W_uv[h] c`` (``kv_b_proj``'s two halves over the latent ``c``), so
+    ``q . k = [W_uk[h]^T q_nope ; q_rope] . [c ; k_rope]`` and the output is
+    ``W_uv[h]`` times the attention-weighted sum of latents: multi-query
+    attention over the rows, with no per-head K/V made of the history.
+
+    Parameters
+    ----------
+    module : torch.nn.Module
+        The model's attention (``kv_b_proj``, ``layer_idx``).
+    query : torch.Tensor, shape [B, num_heads, q, qk_nope_head_dim + qk_rope_head_dim]
+        After the rotary embedding, as the model passes it.
+    rows : torch.Tensor, shape [B, 1, q, kv_lora_rank + qk_rope_head_dim]
+        The new tokens' latent rows (``PagedCache.update``).
+
+    Returns
+    -------
+    torch.Tensor, shape [B, q, num_heads, v_head_dim], ``query.dtype``
+    """
+    import torch
+    widths = cache.attention_config.latent
+    num_heads = query.shape[1]
+    nope, rank = widths.qk_nope_head_dim, widths.kv_lora_rank
+    if query.shape[-1] != nope + widths.qk_rope_head_dim:
+        raise ValueError(f"query: layer {layer}: expected {nope + widths.qk_rope_head_dim} "
+                         f"columns per head (qk_nope_head_dim + qk_rope_head_dim), got "
+                         f"{query.shape[-1]}")
+    projection: Any = module.kv_b_proj      # an nn.Linear (torch types it as Tensor | Module)
+    weight = projection.weight.detach()
+    if tuple(weight.shape) != (num_heads * (nope + widths.v_head_dim), rank):
+        raise UnsupportedModelError(
+            f"kv_b_proj: layer {layer}: expected a weight of shape "
+            f"{[num_heads * (nope + widths.v_head_dim), rank]} (num_heads x (qk_nope_head_dim "
+            f"+ v_head_dim), kv_lora_rank), got {list(weight.shape)}")
+    weight = weight.float().view(num_heads, nope + widths.v_head_dim, rank)
+    dtype, query = query.dtype, query.detach().float()
+    absorbed = torch.cat([torch.einsum("bhqn,hnr->bhqr", query[..., :nope], weight[:, :nope]),
+                          query[..., nope:]], dim=-1)
+    out = cache.attend(layer, absorbed, rows.float(), None, attention_mask, variants,
+                       position_ids)               # [B, q, num_heads, kv_lora_rank]
+    return torch.einsum("bqhr,hvr->bqhv", out.float(), weight[:, nope:]).to(dtype)
 
 
 def register() -> None:

@@ -17,6 +17,13 @@ forward pass:
 - **ragged steps** (:meth:`PagedCache.step`, and ``generate_batch``): the
   caller appended a step to :attr:`PagedCache.kv` itself and runs the model on
   the step's tokens packed into one row, with ``position_ids`` per token.
+
+A model of multi-head latent attention (DeepSeek V2/V3) updates the cache
+with its normalised latent and rotary key instead of K and V: the cache
+keeps them as one latent row (``kv_layout="latent"``), and the attention
+call absorbs ``kv_b_proj`` into the queries and the output
+(:func:`pagedkv.hf.attention.paged_attention_forward`), so no step expands
+the history back into per-head K/V.
 """
 import contextlib
 import threading
@@ -41,25 +48,36 @@ Attend = Callable[..., "torch.Tensor"]
 _pending = threading.local()
 
 
-def take_update(module: Any, key: "torch.Tensor") -> "Tuple[PagedCache, int]":
-    """The cache and layer of the ``update`` that produced ``key``, consumed.
+def take_update(module: Any, key: "torch.Tensor") -> "Tuple[PagedCache, int, Any]":
+    """The cache and layer of the ``update`` that produced ``key``, consumed, and
+    the latent rows it took (latent attention; else None).
+
+    Returns
+    -------
+    cache : PagedCache
+    layer : int
+    rows : torch.Tensor, shape [B, 1, q, kv_lora_rank + qk_rope_head_dim], or None
+        Latent attention: the new tokens' latent rows (the model's ``key`` is
+        their expansion, which the cache does not keep).
 
     Raises
     ------
     ValueError
         ``key`` did not come from a ``PagedCache`` update just before: the
         model runs with another cache or none, or the layer changed its keys
-        between the update and the attention call.
+        between the update and the attention call (latent attention: the
+        update was another layer's).
     """
-    cache, layer, updated_key = getattr(_pending, "update", (None, None, None))
-    _pending.update = (None, None, None)
-    if cache is None or updated_key is not key:
+    cache, layer, updated_key, rows = getattr(_pending, "update", (None, None, None, None))
+    _pending.update = (None, None, None, None)
+    latent_matches = rows is not None and layer == getattr(module, "layer_idx", None)
+    if cache is None or updated_key is not key and not latent_matches:
         raise ValueError(
             f"layer {getattr(module, 'layer_idx', '?')}: attn_implementation=\"pagedkv\" "
             f"attends over a pagedkv.hf.PagedCache, and this layer's keys did not come from "
             f"one: pass past_key_values=pagedkv.hf.PagedCache(model.config, num_pages=...) "
             f"(and use_cache=True), or use pagedkv.hf.generate_batch")
-    return cache, cast(int, layer)      # update() set it with the cache
+    return cache, cast(int, layer), rows      # update() set them with the cache
 
 
 class _PagedLayer(CacheLayerMixin):
@@ -170,7 +188,8 @@ class PagedCache(Cache):
                 spec.num_layers, spec.num_kv_heads, spec.head_dim, num_pages=num_pages,
                 page_size=page_size, dtype=dtype, max_seq_len=max_seq_len, backend=backend,
                 device=device, enable_prefix_caching=enable_prefix_caching,
-                layer_windows=windows, num_window_pages=num_window_pages)
+                layer_windows=windows, num_window_pages=num_window_pages,
+                kv_layout=spec.kv_layout, v_head_dim=spec.v_head_dim)
         except ValueError as exc:
             if str(exc).startswith("head_dim"):
                 raise UnsupportedModelError(
@@ -197,7 +216,10 @@ class PagedCache(Cache):
         """Take a layer's new ``key_states`` / ``value_states`` ``[B, num_kv_heads, q, head_dim]``.
 
         They are stored by the attention call that follows (which learns from
-        the mask which tokens are padding); returned unchanged.
+        the mask which tokens are padding); returned unchanged.  Latent
+        attention passes its normalised latent ``[B, 1, q, kv_lora_rank]`` and
+        rotary key ``[B, 1, q, qk_rope_head_dim]`` instead: they are kept as
+        one latent row.
 
         Raises
         ------
@@ -206,14 +228,26 @@ class PagedCache(Cache):
             attention: the model computes attention another way, which would
             see this pass's tokens only.
         """
-        cache, layer, _ = getattr(_pending, "update", (None, None, None))
+        cache, layer, _, _ = getattr(_pending, "update", (None, None, None, None))
         if cache is self and layer == layer_idx - 1:
             raise ValueError(
                 f"past_key_values: a pagedkv.hf.PagedCache needs the model's attention to be "
                 f"\"pagedkv\" (layer {layer} computed it another way); load the model with "
                 f"attn_implementation=\"pagedkv\" after import pagedkv.hf, or call "
                 f"model.set_attn_implementation(\"pagedkv\")")
-        _pending.update = (self, layer_idx, key_states)
+        rows = None
+        latent = self.attention_config.latent
+        if latent is not None:
+            want = (latent.kv_lora_rank, latent.qk_rope_head_dim)
+            got = (key_states.shape[-1], value_states.shape[-1])
+            if got != want or key_states.shape[:-1] != value_states.shape[:-1]:
+                raise ValueError(f"key_states, value_states: latent attention updates the cache "
+                                 f"with its latent and rotary key of widths {want}, got "
+                                 f"shapes {list(key_states.shape)} and "
+                                 f"{list(value_states.shape)}")
+            import torch
+            rows = torch.cat([key_states, value_states], dim=-1)
+        _pending.update = (self, layer_idx, key_states, rows)
         return key_states, value_states
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -344,6 +378,7 @@ class PagedCache(Cache):
         layer : int
         query : torch.Tensor, shape [B, num_heads, q, head_dim]
         key, value : torch.Tensor, shape [B, num_kv_heads, q, head_dim]
+            Latent attention: ``key`` the latent rows, ``value`` None.
         padding : torch.Tensor, shape [B, q], bool, or None
             True for the new tokens that are real (from the mask function);
             None: every one is.
@@ -354,11 +389,12 @@ class PagedCache(Cache):
 
         Returns
         -------
-        torch.Tensor, shape [B, q, num_heads, head_dim], ``query.dtype``
-            Zeros in the rows of padding tokens.
+        torch.Tensor, shape [B, q, num_heads, v_head_dim], ``query.dtype``
+            Zeros in the rows of padding tokens (``v_head_dim``: the cache's).
         """
         # inference only: a plain model(...) call outside no_grad gives tensors that need grad
-        query, key, value = query.detach(), key.detach(), value.detach()
+        query, key = query.detach(), key.detach()
+        value = None if value is None else value.detach()
         if self._attend is not None:
             return self._attend_packed(self._attend, layer, query, key, value, padding,
                                        variants, position_ids)
@@ -382,7 +418,7 @@ class PagedCache(Cache):
                                  f"{None if got is None else got[:8]}")
             self._expected_positions = None     # checked once per step
         out = attend(layer, query[0].transpose(0, 1), key[0].transpose(0, 1),
-                     value[0].transpose(0, 1), **variants)
+                     None if value is None else value[0].transpose(0, 1), **variants)
         if layer == 0:
             self._num_stored_tokens += query.shape[2]
         return out.unsqueeze(0).to(query.dtype)
@@ -395,13 +431,15 @@ class PagedCache(Cache):
         if step is None or layer in step.stored:
             step = self._begin_padded_step(batch_size, q_len, padding)
         kv = self.kv
-        q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+        q, k = query.transpose(1, 2), key.transpose(1, 2)
+        v = None if value is None else value.transpose(1, 2)
         if padding is None:
             k = k.reshape(batch_size * q_len, -1, head_dim)
-            v = v.reshape(batch_size * q_len, -1, head_dim)
+            v = None if v is None else v.reshape(batch_size * q_len, -1, v.shape[-1])
             q = q.reshape(batch_size * q_len, num_heads, head_dim)
         else:
-            k, v, q = k[padding], v[padding], q[padding]
+            k, q = k[padding], q[padding]
+            v = None if v is None else v[padding]
         kv.store(layer, step.batch, k, v)
         out = kv.attention(layer, step.batch, q, **variants).to(query.dtype)
         step.stored.add(layer)
@@ -410,8 +448,8 @@ class PagedCache(Cache):
             self._num_stored_tokens += int(step.valid.sum())
             self._step = None
         if padding is None:
-            return out.view(batch_size, q_len, num_heads, head_dim)
-        full = query.new_zeros((batch_size, q_len, num_heads, head_dim))
+            return out.view(batch_size, q_len, num_heads, out.shape[-1])
+        full = query.new_zeros((batch_size, q_len, num_heads, out.shape[-1]))
         full[padding] = out
         return full
 

@@ -13,6 +13,12 @@ attention call come from the config too: the scale (``query_pre_attn_scalar``
 ``scaling`` wins when it passes one) and the soft cap
 (``attn_logit_softcapping``).  Learned sinks (gpt-oss) are weights, not config:
 the attention function takes them from the call (``s_aux``).
+
+Multi-head latent attention (DeepSeek V2/V3: ``kv_lora_rank``) maps onto a
+cache of ``kv_layout="latent"``: one KV head whose rows are the normalised
+latent (``kv_lora_rank``) then the rotary key (``qk_rope_head_dim``), the
+values the latent itself; :class:`LatentAttention` keeps the per-head widths
+the absorbed attention needs (``pagedkv.hf.attention``).
 """
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional, Tuple
@@ -23,6 +29,25 @@ SERVED_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention"
 
 class UnsupportedModelError(ValueError):
     """A model whose attention pagedkv cannot serve; the message names the config field."""
+
+
+@dataclass(frozen=True)
+class LatentAttention:
+    """The widths of a model's multi-head latent attention (DeepSeek V2/V3).
+
+    Attributes
+    ----------
+    kv_lora_rank : int
+        The latent's width: the values of the cache's rows.
+    qk_nope_head_dim, qk_rope_head_dim : int
+        Each query head's columns without and with rotary embedding.
+    v_head_dim : int
+        Each head's output width (what ``kv_b_proj`` makes of the latent).
+    """
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
 
 
 @dataclass(frozen=True)
@@ -43,6 +68,11 @@ class ModelAttention:
     vocab_size : int
     max_position : int
         ``max_position_embeddings`` (the context the model was built for).
+    latent : LatentAttention or None
+        Multi-head latent attention's widths (the cache then keeps latent rows,
+        ``kv_layout="latent"``, of ``head_dim = kv_lora_rank + qk_rope_head_dim``
+        values with the first ``kv_lora_rank`` as values, in one KV head); None
+        for other models.
     """
     model_type: str
     num_layers: int
@@ -55,10 +85,21 @@ class ModelAttention:
     logits_soft_cap: Optional[float]
     vocab_size: int
     max_position: int
+    latent: Optional[LatentAttention] = None
 
     @property
     def has_windowed_layers(self) -> bool:
         return any(w is not None for w in self.layer_windows)
+
+    @property
+    def kv_layout(self) -> str:
+        """The cache's ``kv_layout``: ``"latent"`` for latent attention."""
+        return "separate" if self.latent is None else "latent"
+
+    @property
+    def v_head_dim(self) -> int:
+        """The cache's ``v_head_dim``: the latent's width, else ``head_dim``."""
+        return self.head_dim if self.latent is None else self.latent.kv_lora_rank
 
 
 def _positive_int(config: Any, name: str, value: Any) -> int:
@@ -95,7 +136,8 @@ def read_model_attention(config: Any) -> ModelAttention:
         An attention pagedkv has no mapping for (a layer type other than
         ``full_attention``, ``sliding_attention`` and ``chunked_attention``:
         linear or shared-KV layers), bidirectional attention, heads that GQA cannot group,
-        or keys and values of different widths (MLA); the message names the
+        keys and values of different widths outside latent attention, or a
+        latent attention without the widths it needs; the message names the
         config field and its value.
     """
     from transformers import PretrainedConfig
@@ -123,11 +165,14 @@ def read_model_attention(config: Any) -> ModelAttention:
             f"num_attention_heads={num_heads}; grouped-query attention needs a multiple")
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
     _positive_int(config, "head_dim", head_dim)
-    if getattr(config, "kv_lora_rank", None) is not None:
-        raise UnsupportedModelError(
-            f"config.kv_lora_rank: {config.kv_lora_rank}: {model_type} uses multi-head latent "
-            f"attention, which has no mapping in pagedkv")
-    for name in ("v_head_dim", "global_head_dim"):
+    latent = _latent_attention(config)
+    scale = None
+    if latent is not None:
+        # one KV head of latent rows; each query head is absorbed into that width
+        num_kv_heads = 1
+        head_dim = latent.kv_lora_rank + latent.qk_rope_head_dim
+        scale = _latent_scale(config, latent)
+    for name in ("v_head_dim", "global_head_dim") if latent is None else ("global_head_dim",):
         value = getattr(config, name, None)
         if value is not None and value != head_dim:
             raise UnsupportedModelError(
@@ -154,7 +199,8 @@ def read_model_attention(config: Any) -> ModelAttention:
                                     f"(num_hidden_layers), got {len(windows)}")
 
     pre_attn = getattr(config, "query_pre_attn_scalar", None)
-    scale = float(pre_attn) ** -0.5 if pre_attn else float(head_dim) ** -0.5
+    if scale is None:
+        scale = float(pre_attn) ** -0.5 if pre_attn else float(head_dim) ** -0.5
     cap = getattr(config, "attn_logit_softcapping", None)
     if cap is not None and not cap > 0:
         raise UnsupportedModelError(f"config.attn_logit_softcapping: expected a float > 0 or "
@@ -165,4 +211,24 @@ def read_model_attention(config: Any) -> ModelAttention:
         layer_chunks=tuple(chunks),
         scale=scale, logits_soft_cap=None if cap is None else float(cap),
         vocab_size=int(config.vocab_size),
-        max_position=int(getattr(config, "max_position_embeddings", None) or 2**31 - 1))
+        max_position=int(getattr(config, "max_position_embeddings", None) or 2**31 - 1),
+        latent=latent)
+
+
+def _latent_attention(config: Any) -> Optional[LatentAttention]:
+    """The :class:`LatentAttention` of a config with ``kv_lora_rank``, else None."""
+    if getattr(config, "kv_lora_rank", None) is None:
+        return None
+    widths = {name: _positive_int(config, name, getattr(config, name, None))
+              for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")}
+    return LatentAttention(**widths)
+
+
+def _latent_scale(config: Any, latent: LatentAttention) -> float:
+    """The logit scale of latent attention: ``(qk_nope + qk_rope) ** -0.5``, times
+    YaRN's ``mscale_all_dim`` factor squared (what DeepSeek's attention applies;
+    the model passes the same as its ``scaling``)."""
+    from transformers.modeling_rope_utils import yarn_apply_mscale
+    qk_head_dim = latent.qk_nope_head_dim + latent.qk_rope_head_dim
+    return float(yarn_apply_mscale(getattr(config, "rope_parameters", None) or {},
+                                   qk_head_dim ** -0.5))
