@@ -241,7 +241,8 @@ class PagedKVCache:
         self._holdings = CacheHoldings(
             num_layers=self.num_layers, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
             page_size=self.page_size, storage=self.storage, kv_rotation=self.kv_rotation,
-            kv_layout=self.kv_layout, v_head_dim=self.v_head_dim, layer_windows=self.layer_windows, window_rollback_tokens=rollback,
+            kv_layout=self.kv_layout, v_head_dim=self.v_head_dim,
+            layer_windows=self.layer_windows, window_rollback_tokens=rollback,
             max_seq_len=self.max_seq_len,
             prefix_caching=self.prefix_caching, tables=self._tables,
             placement=self._placement, chains=PrefixChains(self._tables), pools=self._pools,

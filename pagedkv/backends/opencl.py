@@ -524,7 +524,8 @@ class OpenCLBackend(Backend):
             return
         # device arrays: the caller may write them once this returns, so the
         # scatter is queued now, and their next writes wait for it
-        self._hand_back(k, *([] if v is None else [v]), event=self._scatter(layer, tables, kd, vd, k_wait + v_wait))
+        self._hand_back(k, *([] if v is None else [v]),
+                        event=self._scatter(layer, tables, kd, vd, k_wait + v_wait))
 
     def _scatter(self, layer: int, tables: StepTables, k: "_DeviceMemory", v: "_DeviceMemory",
                  wait_for: "Optional[List[pyopencl.Event]]" = None) -> "pyopencl.Event":
@@ -630,7 +631,8 @@ class OpenCLBackend(Backend):
                 self.queue, (plan.num_segments * mwg,), (mwg,),
                 items=plan.items, seg_items=plan.seg_items, seg_parts=plan.seg_parts,
                 part_acc=part_acc, part_max=part_max, part_sum=part_sum, group=plan.group,
-                num_groups=plan.num_groups, variant=variant, sinks=sinks, out=out_d, lse=lse_d, has_lse=lse is not None, loop_counts=merge_counts))
+                num_groups=plan.num_groups, variant=variant, sinks=sinks, out=out_d, lse=lse_d,
+                has_lse=lse is not None, loop_counts=merge_counts))
         events += self._rotate(out_d, rows)   # the output, back from the rotated basis
         self._last_events = events
         if counting:
