@@ -74,7 +74,7 @@ class Grind:
         # those bytes, so the rest reads as uninitialized.  Zero them again in
         # one whole-buffer write, which it records right.
         backend = cache._backend
-        for pool in backend._k + backend._v + backend._k_scales + backend._v_scales:
+        for pool in (buffer for pools in backend._pools for buffer in pools.values()):
             cl.enqueue_copy(backend.queue, pool, np.zeros(pool.size, np.uint8))
         backend.queue.finish()
         return cache
