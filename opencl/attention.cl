@@ -68,9 +68,9 @@ PKV_DEFINE_TANH(inline, pkv_tanh, float, pkv_exp, fabs, copysign)
 #include "pkv_variant.h"
 #include "pkv_work_item.h"
 
-#if PKV_NQ % PKV_QB || PKV_CHUNK % PKV_TB || PKV_DV % PKV_CB || PKV_DV % PKV_SPLIT \
-    || PKV_CHUNK % PKV_SW
-#error "tile sizes must divide PKV_NQ, PKV_CHUNK and PKV_HEAD_DIM / PKV_VW"
+#if PKV_NQ % PKV_QB || PKV_CHUNK % PKV_TB || PKV_VDV % PKV_CB || PKV_DV % PKV_SPLIT \
+    || PKV_VDV % PKV_SPLIT || PKV_CHUNK % PKV_SW
+#error "tile sizes must divide PKV_NQ, PKV_CHUNK and PKV_(V_)HEAD_DIM / PKV_VW"
 #endif
 
 
@@ -84,10 +84,19 @@ PKV_DEFINE_TANH(inline, pkv_tanh, float, pkv_exp, fabs, copysign)
 #define PKV_LOOP() ((void)0)
 #endif
 
-#define PKV_COL_BLOCKS (PKV_DV / PKV_CB)
+#define PKV_COL_BLOCKS (PKV_VDV / PKV_CB)   /* output (V) vectors in column tiles */
 #define PKV_OUT_TILES ((PKV_NQ / PKV_QB) * PKV_COL_BLOCKS)
 #define PKV_OUT_PER_WI PKV_CEIL(PKV_OUT_TILES, PKV_WG)
-#define PKV_SEGMENT (PKV_DV / PKV_SPLIT)     /* vectors one work-item copies per row */
+#define PKV_SEGMENT (PKV_DV / PKV_SPLIT)     /* vectors one work-item copies per K row */
+#define PKV_V_SEGMENT (PKV_VDV / PKV_SPLIT)  /* ... per V row */
+/* The element offset of a V row from its K row's (key_row): the same slot in a
+   pool of PKV_VD-wide rows (the same offset where V rows are as wide as K's,
+   latent rows included). */
+#if PKV_VD == PKV_D
+#define PKV_V_OFFSET(row) (row)
+#else
+#define PKV_V_OFFSET(row) ((row) / PKV_D * PKV_VD)
+#endif
 /* Output tiles a work-item visits: with few, a fixed and unrolled loop keeps
    acc[][][] in registers (GPU); with many (CPU), stop after the real ones. */
 #if PKV_OUT_PER_WI <= 8
@@ -125,11 +134,11 @@ typedef __local const pkv_vec* pkv_k_row;
 typedef __global const pkv_storage* pkv_k_row;
 #endif
 #if PKV_STAGE_V
-#define PKV_V_ROW(t) (v_tile + (t) * PKV_DV)
+#define PKV_V_ROW(t) (v_tile + (t) * PKV_VDV)
 #define PKV_V_VEC(row, d) ((row)[d])
 typedef __local const pkv_vec* pkv_v_row;
 #else
-#define PKV_V_ROW(t) (v_pool + key_row[t])
+#define PKV_V_ROW(t) (v_pool + PKV_V_OFFSET(key_row[t]))
 #define PKV_V_VEC(row, d) PKV_VLOAD_S((d), (row))
 typedef __global const pkv_storage* pkv_v_row;
 #endif
@@ -177,7 +186,7 @@ PKV_DEFINE_SOFTMAX_ROW(inline, pkv_row, __local, pkv_svec, pkv_sivec, PKV_SLANES
 __kernel __attribute__((reqd_work_group_size(PKV_WG, 1, 1)))
 void paged_attention(__global const float* q,              /* [T, num_heads, D], scaled */
                      __global pkv_storage* k_pool,         /* [pages, H, page_size, D] */
-                     __global pkv_storage* v_pool,
+                     __global pkv_storage* v_pool,         /* [pages, H, page_size, VD] */
                      __global const float* k_scales,       /* int8: [pages, H, page_size] */
                      __global const float* v_scales,
                      __global const int* page_indptr,      /* [B+1] */
@@ -186,7 +195,7 @@ void paged_attention(__global const float* q,              /* [T, num_heads, D],
                      const int num_items,
                      /* the fused store (num_new_tokens > 0; else unread) */
                      __global const float* new_k,          /* [T, H, D] */
-                     __global const float* new_v,
+                     __global const float* new_v,          /* [T, H, VD] */
                      __global const long* slot_mapping,    /* [T] */
                      __global const int* query_start,      /* [B+1] */
                      __global const int* seq_lens,         /* [B] */
@@ -196,10 +205,10 @@ void paged_attention(__global const float* q,              /* [T, num_heads, D],
                      const pkv_variant variant,            /* the variant's scalars */
                      __global const float* sinks,          /* has_sinks: [num_heads] */
                      __global const float* bias_slopes,    /* has_bias: [num_heads], pkv_bias's */
-                     __global float* out,                  /* [T, num_heads, D] */
+                     __global float* out,                  /* [T, num_heads, VD] */
                      __global float* lse,                  /* has_lse: [T, num_heads] */
                      const int has_lse,
-                     __global float* part_acc,             /* [P, PKV_NQ, D] */
+                     __global float* part_acc,             /* [P, PKV_NQ, VD] */
                      __global float* part_max,             /* [P, PKV_NQ] */
                      __global float* part_sum,
                      __global int* loop_counts) {          /* PKV_COUNT_LOOPS: [work-items] */
@@ -215,14 +224,16 @@ void paged_attention(__global const float* q,              /* [T, num_heads, D],
     __local pkv_vec k_tile[PKV_CHUNK * PKV_DV];
 #endif
 #if PKV_STAGE_V
-    __local pkv_vec v_tile[PKV_CHUNK * PKV_DV];
+    __local pkv_vec v_tile[PKV_CHUNK * PKV_VDV];
 #endif
 
     const int lid = get_local_id(0);
     const float soft_cap = variant.soft_cap;
     const int has_sinks = variant.has_sinks, has_bias = variant.has_bias;
     const float inverse_cap = soft_cap > 0.0f ? 1.0f / soft_cap : 0.0f;
-#if PKV_VECTOR_ROWS
+#if PKV_VECTOR_ROWS && PKV_VD == PKV_D
+    /* (V rows of their own width are scattered by the store itself, not here:
+       pkv_scatter_vector moves rows of one width) */
     if (get_group_id(0) >= num_items) {
         /* a scatter work-group: rows (token, head) first_row.. of new_k / new_v */
         const ulong first_row = (ulong)(get_group_id(0) - num_items) * (ulong)scatter_rows;
@@ -250,7 +261,7 @@ void paged_attention(__global const float* q,              /* [T, num_heads, D],
     /* the step's new tokens of sequence b, when this launch stores them: rows
        new_row0..new_row1 of new_k / new_v, at positions new_pos0.. (never for
        rows stored whole, !PKV_VECTOR_ROWS: the format's scatter stores them) */
-    const bool fused = PKV_VECTOR_ROWS && num_new_tokens > 0;
+    const bool fused = PKV_VECTOR_ROWS && PKV_VD == PKV_D && num_new_tokens > 0;
     const int new_row0 = fused ? query_start[b] : 0;
     const int new_row1 = fused ? PKV_MIN(query_start[b + 1], num_new_tokens) : 0;
     const long new_pos0 = fused ? (long)seq_lens[b] - (new_row1 - new_row0) : 0;
@@ -311,6 +322,7 @@ void paged_attention(__global const float* q,              /* [T, num_heads, D],
             const int u = lid + k * PKV_WG;
             if (u < n_rows * PKV_SPLIT) {
                 const int t = u / PKV_SPLIT, d0 = (u % PKV_SPLIT) * PKV_SEGMENT;
+                const int e0 = (u % PKV_SPLIT) * PKV_V_SEGMENT;   /* of the V row */
                 const ulong row = key_row[t];
                 const int src = key_src[t];
                 if (src == PKV_KEY_POOL) {
@@ -320,6 +332,8 @@ void paged_attention(__global const float* q,              /* [T, num_heads, D],
 #if PKV_STAGE_V
                     const float v_scale = PKV_ROW_SCALE(v_scales, row);
 #endif
+#if PKV_VD == PKV_D
+                    /* rows of one width: K's and V's vectors in one loop */
                     PKV_UNROLL
                     for (int d = d0; d < d0 + PKV_SEGMENT; ++d) {
 #if PKV_STAGE_K
@@ -329,9 +343,23 @@ void paged_attention(__global const float* q,              /* [T, num_heads, D],
                         v_tile[t * PKV_DV + d] = PKV_VLOAD_S(d, v_pool + row) * v_scale;
 #endif
                     }
+#else
+#if PKV_STAGE_K
+                    PKV_UNROLL
+                    for (int d = d0; d < d0 + PKV_SEGMENT; ++d)
+                        k_tile[t * PKV_DV + d] = PKV_VLOAD_S(d, k_pool + row) * k_scale;
+#endif
+#if PKV_STAGE_V
+                    PKV_UNROLL
+                    for (int d = e0; d < e0 + PKV_V_SEGMENT; ++d)
+                        v_tile[t * PKV_VDV + d] =
+                            PKV_VLOAD_S(d, v_pool + PKV_V_OFFSET(row)) * v_scale;
+#endif
+#endif
                 } else {
                     /* masked keys (and whole-tile padding) stage zeros, so that
                        no work-group reads a pool row the fused store may write */
+#if PKV_VD == PKV_D
 #if PKV_VECTOR_ROWS
                     const ulong in_row = src >= 0
                         ? ((ulong)src * num_kv_heads + kv_head) * PKV_DV : 0;
@@ -353,6 +381,18 @@ void paged_attention(__global const float* q,              /* [T, num_heads, D],
                         v_tile[t * PKV_DV + d] = v_new;
 #endif
                     }
+#else
+                    /* V rows of their own width: the store is never fused
+                       (src < 0), so these are the masked keys' zeros */
+#if PKV_STAGE_K
+                    PKV_UNROLL
+                    for (int d = d0; d < d0 + PKV_SEGMENT; ++d) k_tile[t * PKV_DV + d] = 0.0f;
+#endif
+#if PKV_STAGE_V
+                    PKV_UNROLL
+                    for (int d = e0; d < e0 + PKV_V_SEGMENT; ++d) v_tile[t * PKV_VDV + d] = 0.0f;
+#endif
+#endif
                 }
             }
         }
@@ -538,8 +578,8 @@ void paged_attention(__global const float* q,              /* [T, num_heads, D],
                     const float inv = part >= 0 ? 1.0f : pkv_output_scale(
                         run_max[qi], run_sum[qi], has_sinks ? sinks[head] : -INFINITY);
                     __global float* dst = part < 0
-                        ? out + ((size_t)r * num_heads + head) * PKV_D
-                        : part_acc + ((size_t)part * PKV_NQ + qi) * PKV_D;
+                        ? out + ((size_t)r * num_heads + head) * PKV_VD
+                        : part_acc + ((size_t)part * PKV_NQ + qi) * PKV_VD;
                     PKV_UNROLL
                     for (int c = 0; c < PKV_CB; ++c) PKV_VSTORE_F(acc[k][j][c] * inv, v0 + c, dst);
                     if (has_lse && part < 0 && v0 == 0)
@@ -566,13 +606,13 @@ void paged_attention(__global const float* q,              /* [T, num_heads, D],
 __kernel __attribute__((reqd_work_group_size(PKV_MERGE_WG, 1, 1)))
 void merge_partials(__global const int* items, __global const int* seg_items,
                     __global const int* seg_parts,
-                    __global const float* part_acc,    /* [P, PKV_NQ, D] */
+                    __global const float* part_acc,    /* [P, PKV_NQ, VD] */
                     __global const float* part_max,    /* [P, PKV_NQ] */
                     __global const float* part_sum,
                     const int group, const int num_groups,
                     const pkv_variant variant,         /* the variant's scalars */
                     __global const float* sinks,       /* has_sinks: [num_heads] */
-                    __global float* out,               /* [T, num_heads, D] */
+                    __global float* out,               /* [T, num_heads, VD] */
                     __global float* lse,               /* has_lse: [T, num_heads] */
                     const int has_lse,
                     __global int* loop_counts) {       /* PKV_COUNT_LOOPS: [work-items] */
@@ -582,9 +622,9 @@ void merge_partials(__global const int* items, __global const int* seg_items,
     const int h = item[PKV_W_KV_HEAD], row0 = item[PKV_W_ROW0], row1 = item[PKV_W_ROW1];
     const int nq = (row1 - row0) * group, num_heads = num_groups * group;
     const int first = seg_parts[s], last = seg_parts[s + 1];
-    for (int k = 0; k < PKV_CEIL(nq * PKV_DV, PKV_MERGE_WG); ++k) {
+    for (int k = 0; k < PKV_CEIL(nq * PKV_VDV, PKV_MERGE_WG); ++k) {
         PKV_LOOP();
-        const int e = lid + k * PKV_MERGE_WG, qi = e / PKV_DV, vec = e % PKV_DV;
+        const int e = lid + k * PKV_MERGE_WG, qi = e / PKV_VDV, vec = e % PKV_VDV;
         if (qi < nq) {
             float m = -INFINITY;
             for (int w = first; w < last; ++w) {
@@ -598,12 +638,12 @@ void merge_partials(__global const int* items, __global const int* seg_items,
                 const float pm = part_max[(size_t)w * PKV_NQ + qi];
                 const float weight = pkv_part_weight(pm, m);
                 total += part_sum[(size_t)w * PKV_NQ + qi] * weight;
-                acc += PKV_VLOAD_F(((size_t)w * PKV_NQ + qi) * PKV_DV + vec, part_acc) * weight;
+                acc += PKV_VLOAD_F(((size_t)w * PKV_NQ + qi) * PKV_VDV + vec, part_acc) * weight;
             }
             const int r = row0 + qi / group, head = h * group + qi % group;
             const float inv = pkv_output_scale(m, total,
                                                variant.has_sinks ? sinks[head] : -INFINITY);
-            PKV_VSTORE_F(acc * inv, ((size_t)r * num_heads + head) * PKV_DV + vec, out);
+            PKV_VSTORE_F(acc * inv, ((size_t)r * num_heads + head) * PKV_VDV + vec, out);
             if (has_lse && vec == 0) lse[(size_t)r * num_heads + head] = pkv_log_sum(m, total);
         }
     }

@@ -7,7 +7,12 @@
  *                 Hadamard block rows are rotated by, and 1 / sqrt(block) as an
  *                 exact hex float
  *   PKV_HEAD_DIM  D, floats per K/V/Q row
- *   PKV_VW        floats per vector: 1, 2, 4 or 8, dividing PKV_HEAD_DIM
+ *   PKV_V_HEAD_DIM  floats per V row and output row, where V rows have their own
+ *                 width (the separate layout's v_head_dim; default PKV_HEAD_DIM);
+ *                 only the attention kernel reads it: the other kernels move one
+ *                 pool's rows, and are built once per width
+ *   PKV_VW        floats per vector: 1, 2, 4 or 8, dividing PKV_HEAD_DIM (and
+ *                 PKV_V_HEAD_DIM)
  *
  * Pools are [num_pages, num_kv_heads, page_size, D]; element offsets are
  * computed in ulong because a pool may hold more than 2**31 elements.
@@ -31,8 +36,17 @@
 #error "PKV_VW must divide PKV_HEAD_DIM"
 #endif
 
+#ifndef PKV_V_HEAD_DIM
+#define PKV_V_HEAD_DIM PKV_HEAD_DIM
+#endif
+#if PKV_V_HEAD_DIM % PKV_VW != 0
+#error "PKV_VW must divide PKV_V_HEAD_DIM"
+#endif
+
 #define PKV_D PKV_HEAD_DIM
 #define PKV_DV (PKV_HEAD_DIM / PKV_VW)     /* vectors per row */
+#define PKV_VD PKV_V_HEAD_DIM              /* floats per V (and output) row */
+#define PKV_VDV (PKV_V_HEAD_DIM / PKV_VW)  /* vectors per V (and output) row */
 #define PKV_CEIL(a, b) (((a) + (b) - 1) / (b))
 
 #define PKV_CAT_(a, b) a##b

@@ -283,7 +283,7 @@ cdef void attend_item(const float[:, :, ::1] q,
     ``bias_slopes`` [num_heads] (NULL: none): query head h's logit of the key
     at position j gains ``pkv_bias(bias_slopes[h], j - p)`` after the soft cap.
 
-    Leaves unnormalised ``acc`` [heads_per_item * nq4, D] and ``run_max``,
+    Leaves unnormalised ``acc`` [heads_per_item * nq4, Dv] (Dv: the V rows' width) and ``run_max``,
     ``run_sum`` [heads_per_item * nq4], head-major, where nq = rows * group
     queries per head are padded to nq4, a multiple of 4, with zero queries:
     the vector primitives then work on four queries at once (a lone query,
@@ -301,7 +301,9 @@ cdef void attend_item(const float[:, :, ::1] q,
     cdef int heads_per_item = params.heads_per_item, rotation_block = params.rotation_block
     cdef float scale = params.scale, soft_cap = params.variant.soft_cap
     cdef float rotation_scale = params.rotation_scale
-    cdef int D = q.shape[2], ps = k_pool.shape[2]
+    # keys (and queries) are D wide, values Dv (the V pool's own width:
+    # v_head_dim, which a separate layout may set apart from head_dim)
+    cdef int D = q.shape[2], Dv = v_pool.shape[3], ps = k_pool.shape[2]
     cdef int group = q.shape[1] // k_pool.shape[1]
     cdef int nq = (row1 - row0) * group
     cdef int nq4 = padded_queries(nq)
@@ -339,8 +341,9 @@ cdef void attend_item(const float[:, :, ::1] q,
         run_max[x] = -INFINITY
         run_sum[x] = 0.0
         qi = x % nq4
+        for d in range(Dv):
+            acc[x * Dv + d] = 0.0
         for d in range(D):
-            acc[x * D + d] = 0.0
             queries[x * D + d] = 0.0
         if qi < nq:
             qv = &q[row0 + qi // group, (h0 + x // nq4) * group + qi % group, 0]
@@ -387,10 +390,10 @@ cdef void attend_item(const float[:, :, ::1] q,
                 next_slice = slice_ahead(k_pool, v_pool, page_indices, page_indptr[b], h0, j0,
                                          span, last_page, heads_per_item, 1, j, hh, ahead)
                 for x in range(tiled // tile):
-                    page_accumulate_band(acc + hh * nq4 * D,
+                    page_accumulate_band(acc + hh * nq4 * Dv,
                                          alphas + hh * nq4 if j == j0 else ones,
                                          head_scores + column, ld,
-                                         &v_pool[page, h0 + hh, t0, 0], t1 - t0, D,
+                                         &v_pool[page, h0 + hh, t0, 0], t1 - t0, Dv,
                                          &next_slice, x * tile, tile, nq, group, band,
                                          <int64_t>j * ps + t0)
                 pkv_prefetch_rest(&next_slice)
@@ -429,10 +432,11 @@ cdef inline pkv_prefetch slice_ahead(storage_t[:, :, :, ::1] k_pool,
             return pkv_prefetch_range(NULL, 0)
     cdef int page = page_indices[first_index + j0 + index % slices // heads]
     cdef int h = h0 + index % slices % heads
-    cdef long nbytes = k_pool.shape[2] * k_pool.shape[3] * sizeof(storage_t)
     if index < slices:
-        return pkv_prefetch_range(&k_pool[page, h, 0, 0], nbytes)
-    return pkv_prefetch_range(&v_pool[page, h, 0, 0], nbytes)
+        return pkv_prefetch_range(&k_pool[page, h, 0, 0],
+                                  k_pool.shape[2] * k_pool.shape[3] * sizeof(storage_t))
+    return pkv_prefetch_range(&v_pool[page, h, 0, 0],
+                              v_pool.shape[2] * v_pool.shape[3] * sizeof(storage_t))
 
 
 cdef inline int storage_kind(storage_t* dummy) noexcept nogil:
@@ -446,17 +450,19 @@ cdef inline int storage_kind(storage_t* dummy) noexcept nogil:
         return PKV_STORAGE_INT8
 
 
-cdef inline Py_ssize_t scratch_floats(int nq_max, int heads_per_item, int D,
+cdef inline Py_ssize_t scratch_floats(int nq_max, int heads_per_item, int D, int Dv,
                                       int ps) noexcept nogil:
-    """Floats of one thread's scratch for items of up to ``nq_max`` queries per head."""
+    """Floats of one thread's scratch for items of up to ``nq_max`` queries per head
+    (keys ``D`` wide, values ``Dv``)."""
     cdef int nq4 = padded_queries(nq_max)
     cdef int nqp = pkv_block_queries(nq_max), ld = pkv_block_stride(nqp)
     cdef Py_ssize_t pages = (heads_per_item * nq4 * (D + max(SPAN_KEYS // ps, 1) * ps + 1)
                              + nq4)
     # qt, acc, s (ld floats a row), the softmax's five arrays, lo/hi and the
     # bias's slope/dist (nqp each), the block's K and V rows, and a query row
-    cdef Py_ssize_t blocks = ((2 * D + PKV_BLOCK_KEYS) * ld + 9 * nqp
-                              + 2 * PKV_BLOCK_KEYS * pkv_block_stride(D) + D)
+    cdef Py_ssize_t blocks = ((D + Dv + PKV_BLOCK_KEYS) * ld + 9 * nqp
+                              + PKV_BLOCK_KEYS * (pkv_block_stride(D) + pkv_block_stride(Dv))
+                              + D)
     return max(pages, blocks) if nq_max >= PKV_BLOCK_MIN_QUERIES else pages
 
 
@@ -511,17 +517,17 @@ cdef void attend_item_blocks(const float[:, :, ::1] q,
     cdef int heads_per_item = params.heads_per_item, rotation_block = params.rotation_block
     cdef float scale = params.scale, soft_cap = params.variant.soft_cap
     cdef float rotation_scale = params.rotation_scale
-    cdef int D = q.shape[2], group = q.shape[1] // k_pool.shape[1]
+    cdef int D = q.shape[2], Dv = v_pool.shape[3], group = q.shape[1] // k_pool.shape[1]
     cdef storage_t* dummy = NULL
     cdef int nq = (row1 - row0) * group
     cdef int nq4 = padded_queries(nq), nqp = pkv_block_queries(nq)
-    cdef int ld = pkv_block_stride(nqp), ks = pkv_block_stride(D)
+    cdef int ld = pkv_block_stride(nqp), ks = pkv_block_stride(D), vs = pkv_block_stride(Dv)
     cdef int qi, x, hh, d, nt, next_nt, next_head, blk0, next0
     cdef int64_t lo, hi
     cdef const int32_t* pages = &page_indices[page_indptr[b]]
     cdef float* qt = scratch                          # [D, ld]
-    cdef float* acc_t = qt + D * ld                   # [D, ld]
-    cdef float* s = acc_t + D * ld                    # [PKV_BLOCK_KEYS, ld]
+    cdef float* acc_t = qt + D * ld                   # [Dv, ld]
+    cdef float* s = acc_t + Dv * ld                   # [PKV_BLOCK_KEYS, ld]
     cdef float* m = s + PKV_BLOCK_KEYS * ld           # [nqp] running max
     cdef float* l = m + nqp                           # [nqp] running sum
     cdef float* alpha = l + nqp                       # [nqp]
@@ -531,20 +537,20 @@ cdef void attend_item_blocks(const float[:, :, ::1] q,
     cdef float* slope_t = <float*>(hi_t + nqp)        # [nqp] bias slope of each query
     cdef int32_t* dist_t = <int32_t*>(slope_t + nqp)  # [nqp] block start - query position
     cdef float* k_buf = <float*>(dist_t + nqp)        # [PKV_BLOCK_KEYS, ks]
-    cdef float* v_buf = k_buf + PKV_BLOCK_KEYS * ks   # [PKV_BLOCK_KEYS, ks]
-    cdef float* q_row = v_buf + PKV_BLOCK_KEYS * ks   # [D]
+    cdef float* v_buf = k_buf + PKV_BLOCK_KEYS * ks   # [PKV_BLOCK_KEYS, vs]
+    cdef float* q_row = v_buf + PKV_BLOCK_KEYS * vs   # [D]
     # pool rows to prefetch: this block's values, the next block's keys
     cdef const void** v_rows = rows
     cdef const void** k_next = rows + PKV_BLOCK_KEYS
     cdef const void** k_raw = rows + 2 * PKV_BLOCK_KEYS
     cdef const float** krows = <const float**>(rows + 3 * PKV_BLOCK_KEYS)
     cdef pkv_block_prefetch during_scores, during_sum
-    cdef long row_bytes = D * sizeof(storage_t)
+    cdef long row_bytes = D * sizeof(storage_t), v_row_bytes = Dv * sizeof(storage_t)
     cdef const float* qv
     cdef float* head_acc
 
     for hh in range(heads_per_item):
-        head_acc = acc + hh * nq4 * D
+        head_acc = acc + hh * nq4 * Dv
         for qi in range(nqp):
             if qi < nq:
                 qv = &q[row0 + qi // group, (h0 + hh) * group + qi % group, 0]
@@ -562,7 +568,7 @@ cdef void attend_item_blocks(const float[:, :, ::1] q,
             dist_t[qi] = 0
             if bias_slopes != NULL and qi < nq:
                 slope_t[qi] = bias_slopes[(h0 + hh) * group + qi % group]
-        for d in range(D):
+        for d in range(Dv):
             for qi in range(nqp):
                 acc_t[d * ld + qi] = 0.0
 
@@ -579,7 +585,7 @@ cdef void attend_item_blocks(const float[:, :, ::1] q,
             block_rows(k_pool, k_scales, pages, h0 + hh, blk0, nt, k_raw, k_buf, krows)
             block_rows(v_pool, v_scales, pages, h0 + hh, blk0, nt, v_rows, NULL, NULL)
             block_rows(k_pool, k_scales, pages, next_head, next0, next_nt, k_next, NULL, NULL)
-            during_scores = pkv_block_prefetch(v_rows, nt, row_bytes)
+            during_scores = pkv_block_prefetch(v_rows, nt, v_row_bytes)
             during_sum = pkv_block_prefetch(k_next, next_nt, row_bytes)
             # the band of each query (row r's queries: r * group : (r + 1) * group)
             for x in range(row1 - row0):
@@ -597,13 +603,13 @@ cdef void attend_item_blocks(const float[:, :, ::1] q,
             pkv_block_softmax(s, ld, nqp, nt, nq, lo_t, hi_t, soft_cap,
                               slope_t if bias_slopes != NULL else NULL, dist_t, m, l, alpha,
                               tmp)
-            pkv_block_accumulate(acc_t, ld, nqp, nq, alpha, s, v_buf, ks, lo_t, hi_t, nt, D,
+            pkv_block_accumulate(acc_t, ld, nqp, nq, alpha, s, v_buf, vs, lo_t, hi_t, nt, Dv,
                                  &during_sum)
             blk0 = blk0 + nt
 
         for qi in range(nq4):
-            for d in range(D):
-                head_acc[qi * D + d] = acc_t[d * ld + qi] if qi < nq else 0.0
+            for d in range(Dv):
+                head_acc[qi * Dv + d] = acc_t[d * ld + qi] if qi < nq else 0.0
             run_max[hh * nq4 + qi] = m[qi] if qi < nq else -INFINITY
             run_sum[hh * nq4 + qi] = l[qi] if qi < nq else 0.0
 
@@ -619,7 +625,8 @@ def paged_attention(const float[:, :, ::1] q,
     Parameters
     ----------
     q : float32 [T, num_heads, D]
-    k_pool, v_pool : [num_pages, num_kv_heads, page_size, D], float32, float16 bits, bfloat16 bits or int8
+    k_pool : [num_pages, num_kv_heads, page_size, D], float32, float16 bits, bfloat16 bits or int8
+    v_pool : [num_pages, num_kv_heads, page_size, Dv], the same type (Dv: v_head_dim)
     k_scales, v_scales : float32 [num_pages, num_kv_heads, page_size] (int8), else placeholders
     page_indptr : int32 [B + 1]
     page_indices : int32 [nnz]
@@ -632,7 +639,7 @@ def paged_attention(const float[:, :, ::1] q,
         (more than one when its key range is split).
     sinks : float32 [num_heads] or None
         Read with ``params["variant"]["has_sinks"]``.
-    out : float32 [T, num_heads, D]
+    out : float32 [T, num_heads, Dv]
     bias_slopes : float32 [num_heads] or None
         With ``params["variant"]["has_bias"]``: per query head, the slope of
         ``pkv_bias`` (``opencl/pkv_variant.h``): the logit of the key at
@@ -651,7 +658,8 @@ def paged_attention(const float[:, :, ::1] q,
     cdef int heads_per_item = params.heads_per_item, num_threads = params.num_threads
     cdef int max_rows_per_item = params.max_rows_per_item
     cdef Py_ssize_t W = items.shape[0], M = item_offsets.shape[0] - 1
-    cdef int D = q.shape[2], ps = k_pool.shape[2], group = q.shape[1] // k_pool.shape[1]
+    cdef int D = q.shape[2], Dv = v_pool.shape[3], ps = k_pool.shape[2]
+    cdef int group = q.shape[1] // k_pool.shape[1]
     cdef int nq_max = padded_queries(max_rows_per_item * group)
     cdef Py_ssize_t part_queries = heads_per_item * nq_max, num_parts = 0, w, m
     if W == 0:
@@ -661,7 +669,7 @@ def paged_attention(const float[:, :, ::1] q,
     # partial results: of the split items, by slot (PART); an item that covers
     # its rows' keys alone leaves its own in its thread's row and writes the
     # output itself
-    acc_buf = np.empty((num_parts + num_threads, part_queries, D), dtype=np.float32)
+    acc_buf = np.empty((num_parts + num_threads, part_queries, Dv), dtype=np.float32)
     max_buf = np.empty((num_parts + num_threads, part_queries), dtype=np.float32)
     sum_buf = np.empty((num_parts + num_threads, part_queries), dtype=np.float32)
     cdef float[:, :, ::1] acc = acc_buf
@@ -670,7 +678,7 @@ def paged_attention(const float[:, :, ::1] q,
     # (and, on the block path, K/V row pointers), in whole cache lines from a
     # cache-line boundary, so that the block path's rows are whole lines
     cdef Py_ssize_t row_floats = (scratch_floats(max_rows_per_item * group, heads_per_item,
-                                                 D, ps) + 15) // 16 * 16
+                                                 D, Dv, ps) + 15) // 16 * 16
     scratch_buf = aligned_empty(num_threads * row_floats).reshape(num_threads, row_floats)
     cdef float[:, ::1] scratch = scratch_buf
     rows_buf = np.empty((num_threads, 4 * PKV_BLOCK_KEYS), dtype=np.intp)
@@ -699,12 +707,12 @@ def paged_attention(const float[:, :, ::1] q,
             if items[w, PKV_W_PART] < 0:
                 merge_partials(&items[0, 0], w, w + 1, group, &params, sink_ptr,
                                &acc[slot, 0, 0], &run_max[slot, 0], &run_sum[slot, 0],
-                               part_queries, D, out, lse_ptr)
+                               part_queries, Dv, out, lse_ptr)
         for m in prange(M, schedule="static", num_threads=num_threads):
             if items[item_offsets[m], PKV_W_PART] >= 0:
                 merge_partials(&items[0, 0], item_offsets[m], item_offsets[m + 1], group,
                                &params, sink_ptr, &acc[0, 0, 0], &run_max[0, 0],
-                               &run_sum[0, 0], part_queries, D, out, lse_ptr)
+                               &run_sum[0, 0], part_queries, Dv, out, lse_ptr)
 
 
 cdef void merge_partials(const int32_t* items, int first, int last, int group,

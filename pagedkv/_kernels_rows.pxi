@@ -51,14 +51,16 @@ def scatter(storage_t[:, :, :, ::1] k_pool, storage_t[:, :, :, ::1] v_pool,
             float[:, :, ::1] k_scales, float[:, :, ::1] v_scales,
             const int64_t[::1] slot_mapping, const float[:, :, ::1] k, const float[:, :, ::1] v,
             int rotation_block, float rotation_scale, int num_threads):
-    """Write token ``t`` of ``k``/``v`` ([T, H, D] float32) at ``slot_mapping[t]``; -1 skips.
+    """Write token ``t`` of ``k`` ([T, H, D]) and ``v`` ([T, H, Dv]: the V pool's
+    width), float32, at ``slot_mapping[t]``; -1 skips.
 
     int8: each row is rotated and quantized, its scale written to ``k_scales``
     / ``v_scales``.  Latent rows (``v_pool`` is ``k_pool``): each row once, from ``k``."""
-    cdef Py_ssize_t t, h, H = k.shape[1], D = k.shape[2]
+    cdef Py_ssize_t t, h, H = k.shape[1]
     cdef int64_t slot, page, offset, ps = k_pool.shape[2]
     cdef bint latent = &v_pool[0, 0, 0, 0] == &k_pool[0, 0, 0, 0]
-    tmp_buf = np.empty((num_threads, D), dtype=np.float32)
+    # scratch of a K or a V row: V's may be the wider (v_head_dim)
+    tmp_buf = np.empty((num_threads, max(k_pool.shape[3], v_pool.shape[3])), dtype=np.float32)
     cdef float[:, ::1] tmp = tmp_buf
     for t in prange(slot_mapping.shape[0], nogil=True, schedule="static",
                     num_threads=num_threads):

@@ -129,8 +129,12 @@ class PagedKVCache:
         (``docs/latent.md``).
     v_head_dim : int, optional
         The values' width (default ``head_dim``).  ``"latent"``: at most
-        ``head_dim``.  ``"separate"``: ``head_dim`` (V rows of another width
-        are not supported yet).
+        ``head_dim``.  ``"separate"``: any width >= 1, the V pool's rows
+        (e.g. 128 beside a head_dim of 192, as DeepSeek's non-absorbed heads):
+        ``store`` takes ``v`` of that width, ``attention`` returns it per head
+        and ``memory_bytes`` counts ``head_dim + v_head_dim`` values per token,
+        KV head and layer.  int8 rotates rows in blocks of the largest power
+        of two dividing both widths.
 
     Raises
     ------
@@ -182,7 +186,8 @@ class PagedKVCache:
         self.v_head_dim = self._check_v_head_dim(v_head_dim)
         #: The storage format (:class:`pagedkv.storage.StorageFormat`).
         self.storage = storage_format(self._check_dtype(dtype), self.head_dim, kv_rotation,
-                                      latent=self.kv_layout == "latent")
+                                      latent=self.kv_layout == "latent",
+                                      v_head_dim=self.v_head_dim)
         self.kv_rotation = kv_rotation
         self.dtype = self.storage.element
         self.max_seq_len = None if max_seq_len is None else \
@@ -213,7 +218,7 @@ class PagedKVCache:
         page_bytes = self.storage.page_bytes(self.num_kv_heads, self.page_size, self.head_dim)
         per_page = _ALLOCATOR_BYTES_PER_PAGE + enable_prefix_caching * self.page_size \
             * _ALLOCATOR_BYTES_PER_CACHED_TOKEN
-        check_fits(self.storage.num_pools * page_bytes * sum(layer_pages)
+        check_fits(page_bytes * sum(layer_pages)
                    + per_page * sum(pool.num_pages for pool in pools),
                    f"num_pages: {num_pages} pages of {self.num_layers} layers"
                    + "".join(f" and {pool.num_pages} {pool.name} pages" for pool in pools[1:]))
@@ -296,12 +301,8 @@ class PagedKVCache:
             return self.head_dim
         if self.kv_layout == "latent":
             return check_int("v_head_dim", v_head_dim, minimum=1, maximum=self.head_dim)
-        v_head_dim = check_int("v_head_dim", v_head_dim, minimum=1)
-        if v_head_dim != self.head_dim:
-            raise ValueError(f"v_head_dim: kv_layout='separate' keeps V rows of head_dim="
-                             f"{self.head_dim} values (another width is not supported yet); "
-                             f"got {v_head_dim}")
-        return v_head_dim
+        # the separate layout's V rows have a pool of their own, of any width
+        return check_int("v_head_dim", v_head_dim, minimum=1)
 
     @staticmethod
     def _check_dtype(dtype):
@@ -685,7 +686,8 @@ class PagedKVCache:
             return self._values_of(self._attend(layer, tables, q, spec), as_torch)
         if not as_torch:
             return self._attend(layer, tables, q, spec)
-        out = sys.modules["torch"].empty(q.shape, dtype=sys.modules["torch"].float32)
+        out = sys.modules["torch"].empty(tuple(q.shape[:2]) + (self.v_head_dim,),
+                                         dtype=sys.modules["torch"].float32)
         self._attend(layer, tables, q, spec, out=out.numpy())
         return out
 

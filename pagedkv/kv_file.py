@@ -9,7 +9,8 @@ tensors hold) and a ``checksum``, ``"crc32:<hex>"`` over every other
 metadata entry and every tensor's name, dtype, shape and bytes (see
 :func:`checksum`).
 
-Tensors, with ``{l}`` a layer and rows ``[n, num_kv_heads, head_dim]`` in the
+Tensors, with ``{l}`` a layer and rows ``[n, num_kv_heads, head_dim]`` (V rows
+``v_head_dim`` wide) in the
 storage dtype (scales ``[n, num_kv_heads]`` float32, int8 only; the latent
 layout has no ``.v`` and ``.v_scales`` tensors: ``kv_layout`` and ``v_head_dim``
 are in the configuration, and a file without them is of the separate layout):
@@ -383,12 +384,14 @@ class _Contents:
     def _storage(self, rotation):
         try:
             storage = storage_format(self.config["dtype"], self.config["head_dim"],
-                                     bool(rotation), latent=self.config["kv_layout"] == "latent")
+                                     bool(rotation), latent=self.config["kv_layout"] == "latent",
+                                     v_head_dim=self.config["v_head_dim"])
         except ValueError as exc:
             raise _FileError(self.path, f"dtype: {exc}") from None
         if storage.rotation_block != rotation:
             raise _FileError(self.path, f"rotation_block {_shown(rotation)} does not match dtype "
-                                        f"{storage.name} at head_dim {self.config['head_dim']}")
+                                        f"{storage.name} at head_dim {self.config['head_dim']} "
+                                        f"and v_head_dim {self.config['v_head_dim']}")
         return storage
 
     def _sequence(self, i, entry, rotation):

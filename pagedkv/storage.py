@@ -13,7 +13,9 @@ module and the kernels' load/store helpers asks which format it is.
 int8: each row (one token, one KV head, ``head_dim`` values) is first rotated
 by an orthonormal Hadamard transform in blocks of ``rotation_block`` values
 (the largest power of two dividing ``head_dim``, at most 256: 128 for 128,
-16 for 80, 32 for 96), so that an outlier channel spreads over the block
+16 for 80, 32 for 96; with V rows of another width, ``v_head_dim``, the
+largest dividing both: 64 for 192 and 128, since one block rotates the
+queries, the K and V rows and the output, and the kernels take one), so that an outlier channel spreads over the block
 instead of stretching the whole row's scale; then it is kept as int8 values
 and one float32 scale, ``amax / 127`` (symmetric, round to nearest even).
 Scales are float32, not float16, so that no row's scale overflows (amax above
@@ -26,8 +28,9 @@ bfloat16: the high 16 bits of the float32, rounded to nearest even (a tie to
 the even neighbour, overflow to inf); NaN stays NaN (quieted, sign kept).
 float32's range with 8 bits of mantissa, at float16's two bytes a value.
 """
+import math
 from dataclasses import dataclass, replace
-from typing import NamedTuple, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 import numpy as np
 
@@ -143,6 +146,10 @@ class StorageFormat:
         The rows are latent rows (``kv_layout="latent"``): a layer keeps one
         pool of rows (and, int8, their scales) and reads its values from
         them, so there is no V pool to allocate, copy, export or save.
+    v_head_dim : int
+        Values per V row where they differ from ``head_dim`` (the separate
+        layout's ``v_head_dim``); 0: V rows are ``head_dim`` wide (and latent
+        rows have no V pool).
     """
     name: str
     element: np.dtype
@@ -151,6 +158,7 @@ class StorageFormat:
     scaled: bool = False
     rotation_block: int = 0
     latent: bool = False
+    v_head_dim: int = 0
 
     @property
     def rotation_scale(self) -> float:
@@ -166,13 +174,21 @@ class StorageFormat:
 
     def copy_set(self, head_dim: int) -> Tuple[PoolPart, ...]:
         """The pools of one layer, as :class:`PoolPart` in :class:`StoredRows` order:
-        K and V values, then (int8) K and V row scales; latent rows only K's."""
-        values = (head_dim,)
+        K values (``head_dim`` wide) and V values (``v_head_dim`` wide), then
+        (int8) K and V row scales; latent rows only K's."""
+        widths = {"k": head_dim, "v": self.v_width(head_dim)}
         sides = ("k",) if self.latent else ("k", "v")
-        parts = [PoolPart(side, self.element, self.kernel_element, values) for side in sides]
+        parts = [PoolPart(side, self.element, self.kernel_element, (widths[side],))
+                 for side in sides]
         if self.scaled:
             parts += [PoolPart(side + "_scales", _SCALE, _SCALE, ()) for side in sides]
         return tuple(parts)
+
+    def v_width(self, head_dim: int) -> int:
+        """Values per V row, which the kernels sum and ``attention`` returns per head:
+        ``v_head_dim`` where set, else ``head_dim`` (latent rows: the whole row,
+        whose leading columns the cache keeps)."""
+        return self.v_head_dim or head_dim
 
     @property
     def num_pools(self) -> int:
@@ -195,13 +211,19 @@ class StorageFormat:
         return OpenCLKernels("scatter_kv", "gather_kv", (), whole_rows=False,
                              fused_store=True, staged_only=False, exact_division=False)
 
+    def position_bytes(self, head_dim: int) -> int:
+        """Bytes one token keeps of one KV head in one layer: every pool's row
+        (K's ``head_dim`` values, V's ``v_head_dim``), scales included."""
+        return sum(part.row_bytes for part in self.copy_set(head_dim))
+
     def row_bytes(self, head_dim: int) -> int:
-        """Bytes of one stored row: values, plus its scale."""
-        return sum(part.row_bytes for part in self.copy_set(head_dim)) // self.num_pools
+        """Bytes of one stored row, values plus its scale (the mean of K's and V's
+        where their widths differ)."""
+        return self.position_bytes(head_dim) // self.num_pools
 
     def page_bytes(self, num_kv_heads: int, page_size: int, head_dim: int) -> int:
-        """Bytes of one page of one pool (K or V) of one layer."""
-        return num_kv_heads * page_size * self.row_bytes(head_dim)
+        """Bytes of one page of every pool of one layer (K and V, or the latent rows)."""
+        return num_kv_heads * page_size * self.position_bytes(head_dim)
 
     def opencl_options(self, exact_division: bool = False) -> Tuple[str, ...]:
         """Build options of ``opencl/pkv_common.h`` for this format; ``exact_division``:
@@ -216,29 +238,33 @@ class StorageFormat:
         return tuple(options)
 
 
-def rotation_block(head_dim: int) -> int:
+def rotation_block(head_dim: int, v_head_dim: int = 0) -> int:
     """The Hadamard block of int8 rows: the largest power of two dividing ``head_dim``
-    (at most 256); 1 (no rotation) for an odd ``head_dim``."""
+    (and ``v_head_dim``, where given: one block serves K, V and the output) (at
+    most 256); 1 (no rotation) where one of them is odd."""
     block = 1
-    while head_dim % (block * 2) == 0 and block * 2 <= _MAX_ROTATION_BLOCK:
+    width = math.gcd(head_dim, v_head_dim)
+    while width % (block * 2) == 0 and block * 2 <= _MAX_ROTATION_BLOCK:
         block *= 2
     return block
 
 
 def storage_format(name: str, head_dim: int, rotate: bool = True,
-                   latent: bool = False) -> StorageFormat:
+                   latent: bool = False, v_head_dim: Optional[int] = None) -> StorageFormat:
     """The :class:`StorageFormat` called ``name`` for rows of ``head_dim`` values
-    (``latent``: latent rows, one pool per layer; see ``StorageFormat.latent``).
+    (``latent``: latent rows, one pool per layer; see ``StorageFormat.latent``;
+    ``v_head_dim``: the V rows' width in the separate layout, default ``head_dim``).
 
     Raises
     ------
     ValueError
         An unknown ``name``; the message names the accepted ones.
     """
-    return replace(_format(name, head_dim, rotate), latent=latent)
+    v_width = 0 if latent or v_head_dim is None or v_head_dim == head_dim else v_head_dim
+    return replace(_format(name, head_dim, rotate, v_width), latent=latent, v_head_dim=v_width)
 
 
-def _format(name: str, head_dim: int, rotate: bool) -> StorageFormat:
+def _format(name: str, head_dim: int, rotate: bool, v_head_dim: int = 0) -> StorageFormat:
     if name == "float32":
         return StorageFormat("float32", np.dtype(np.float32), np.dtype(np.float32),
                              KINDS.FLOAT32)
@@ -249,7 +275,7 @@ def _format(name: str, head_dim: int, rotate: bool) -> StorageFormat:
         return StorageFormat("bfloat16", np.dtype(np.uint16), np.dtype(np.int16),
                              KINDS.BFLOAT16)
     if name == "int8":
-        block = rotation_block(head_dim) if rotate else 0
+        block = rotation_block(head_dim, v_head_dim) if rotate else 0
         return StorageFormat("int8", np.dtype(np.int8), np.dtype(np.int8), KINDS.INT8,
                              scaled=True, rotation_block=block if block > 1 else 0)
     raise ValueError(f"dtype: expected one of {NAMES}, got {name!r}")

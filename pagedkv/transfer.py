@@ -53,7 +53,7 @@ class SequenceKV:
     keys, values : tuple of ndarray, shape [num_layers]
         Layer ``l``'s K and V rows of positions ``layer_start[l]:num_tokens``,
         each C-contiguous, shape ``[num_tokens - layer_start[l], num_kv_heads,
-        head_dim]``, in the storage dtype (float16 as ``numpy.float16``,
+        head_dim]`` (values: ``v_head_dim``), in the storage dtype (float16 as ``numpy.float16``,
         int8 as the stored integers).  ``values`` is None in the latent layout
         (the values are the keys' first ``v_head_dim`` columns).
     key_scales, value_scales : tuple of ndarray or None
@@ -107,7 +107,7 @@ class SequenceKV:
     def storage(self):
         """The :class:`pagedkv.storage.StorageFormat` its rows are in."""
         return storage_format(self.dtype, self.head_dim, self.rotation_block != 0,
-                              latent=self.kv_layout == "latent")
+                              latent=self.kv_layout == "latent", v_head_dim=self.v_head_dim)
 
     def rows(self, layer, start=None):
         """Layer ``layer``'s rows from position ``start`` (default: all held), as
@@ -157,11 +157,11 @@ class SequenceKV:
             raise ValueError(f"{name}.kv_layout: expected 'separate' or 'latent', got "
                              f"{self.kv_layout!r}"[:200])
         v_head_dim = self.head_dim if self.v_head_dim is None else self.v_head_dim
+        # latent rows' values are their leading columns; separate V rows any width
         if isinstance(v_head_dim, bool) or not isinstance(v_head_dim, (int, np.integer)) or \
-                not 1 <= v_head_dim <= self.head_dim or \
-                self.kv_layout == "separate" and v_head_dim != self.head_dim:
-            raise ValueError(f"{name}.v_head_dim: expected None or an int in [1, head_dim="
-                             f"{self.head_dim}] (head_dim itself in the separate layout), "
+                v_head_dim < 1 or self.kv_layout == "latent" and v_head_dim > self.head_dim:
+            raise ValueError(f"{name}.v_head_dim: expected None or an int >= 1 (at most "
+                             f"head_dim={self.head_dim} in the latent layout), "
                              f"got {self.v_head_dim!r}"[:200])
         self = replace(self, v_head_dim=int(v_head_dim))
         if self.dtype not in STORAGE_NAMES:
@@ -169,7 +169,8 @@ class SequenceKV:
         storage = self.storage
         if storage.rotation_block != self.rotation_block:
             raise ValueError(f"{name}.rotation_block: {self.dtype} rows of head_dim "
-                             f"{self.head_dim} are rotated by blocks of "
+                             f"{self.head_dim} (v_head_dim {self.v_head_dim}) are rotated by "
+                             f"blocks of "
                              f"{storage.rotation_block} or not at all (0), got "
                              f"{self.rotation_block}")
         starts = self.layer_start
@@ -184,18 +185,18 @@ class SequenceKV:
         for field, part in _LAYER_FIELDS.items():
             given = getattr(self, field)
             if part in parts:
-                arrays[field] = (given, parts[part].dtype, 2 + len(parts[part].row_shape))
+                arrays[field] = (given, parts[part].dtype, parts[part].row_shape)
             elif given is not None:
                 raise ValueError(f"{name}.{field}: {self.dtype} rows of the {self.kv_layout} "
                                  f"layout have none; expected None")
         plain: Dict[str, Tuple[np.ndarray, ...]] = {}
-        for field, (given, dtype, ndim) in arrays.items():
+        for field, (given, dtype, row_shape) in arrays.items():
             if not isinstance(given, tuple) or len(given) != len(starts):
                 raise ValueError(f"{name}.{field}: expected a tuple of {len(starts)} arrays "
                                  f"(one per layer), got {type(given).__name__}")
             checked = []
             for layer, (array, start) in enumerate(zip(given, starts)):
-                shape = (self.num_tokens - start, self.num_kv_heads, self.head_dim)[:ndim]
+                shape = (self.num_tokens - start, self.num_kv_heads) + row_shape
                 real = _real_array(array)
                 if real is None or real.dtype != dtype or real.shape != shape:
                     got = type(array).__name__ if real is None else \

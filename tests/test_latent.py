@@ -191,7 +191,7 @@ def test_bad_arguments_name_themselves_and_change_nothing(backend):
                          (dict(kv_layout="latent", v_head_dim=0), "v_head_dim"),
                          (dict(kv_layout="latent", v_head_dim=HEAD_DIM + 1), "v_head_dim"),
                          (dict(kv_layout="latent", v_head_dim=1.5), "v_head_dim"),
-                         (dict(v_head_dim=V_HEAD_DIM), "v_head_dim")]:
+                         (dict(v_head_dim=0), "v_head_dim")]:
         args = dict(num_layers=1, num_kv_heads=1, head_dim=HEAD_DIM, num_pages=4,
                     backend=backend)
         args.update(kwargs)

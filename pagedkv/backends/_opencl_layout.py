@@ -7,6 +7,7 @@ in local memory.  Nothing is fixed: a device with a smaller work-group limit
 or less local memory gets smaller values (down to 1), not a failure.
 """
 import functools
+import math
 from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple, Union
 
 import numpy as np
@@ -121,13 +122,18 @@ class KernelLayout:
         is_cpu = self.kind == "cpu"
         limit = min(device.max_work_group_size, device.max_work_item_sizes[0])
         self.head_dim = head_dim
+        # V rows' (and the output's) width: v_head_dim where the separate layout
+        # sets one, else head_dim; the vector width, column tiles and staging
+        # split must divide both rows' vectors
+        self.v_head_dim = self.storage.v_width(head_dim)
         self.work_group_size = _floor_pow2(
             min(overrides.get("work_group_size", 1 if is_cpu else 128), limit))
         # float8 is an AVX register on a CPU; GPUs load float4 best
         wanted = overrides.get("vector_width", 8 if is_cpu else 4)
-        self.vector_width = next(w for w in (8, 4, 2, 1) if w <= wanted and head_dim % w == 0)
-        vectors = head_dim // self.vector_width
-        self.column_tile = _fit(overrides.get("column_tile", 2 if is_cpu else 1), vectors)
+        self.vector_width = next(w for w in (8, 4, 2, 1) if w <= wanted and head_dim % w == 0
+                                 and self.v_head_dim % w == 0)
+        self.column_tile = _fit(overrides.get("column_tile", 2 if is_cpu else 1),
+                                self.v_head_dim // self.vector_width)
         # powers of two, so that halving below keeps the tiles dividing
         self.query_tile = _floor_pow2(overrides.get("query_tile", 4 if is_cpu else 1))
         self.key_tile = _floor_pow2(overrides.get("key_tile", 2 if is_cpu else 1))
@@ -157,15 +163,17 @@ class KernelLayout:
         # would otherwise be cut into two head groups, each reading every row
         # (and staging it as K and as V) again.
         acc_floats = _CPU_ACCUMULATOR_FLOATS if is_cpu else 64
+        # (the accumulators are output rows: v_head_dim wide)
         while self.max_queries > self.query_tile and \
-                self.max_queries * head_dim > acc_floats * self.work_group_size:
+                self.max_queries * self.v_head_dim > acc_floats * self.work_group_size:
             self.max_queries //= 2
-        if self.max_queries * head_dim > acc_floats * self.work_group_size:
+        if self.max_queries * self.v_head_dim > acc_floats * self.work_group_size:
             # even the smallest tile would not fit: a work-item's accumulators
             # would overflow its private memory (its stack, on a CPU driver)
             largest = acc_floats * self.work_group_size // self.max_queries
-            raise ValueError(f"head_dim: the OpenCL attention kernel holds at most {largest} "
-                             f"values per head on {device.name.strip()}, got {head_dim}")
+            name = "head_dim" if self.v_head_dim == head_dim else "v_head_dim"
+            raise ValueError(f"{name}: the OpenCL attention kernel holds at most {largest} "
+                             f"values per head on {device.name.strip()}, got {self.v_head_dim}")
         self.local_memory = int(overrides.get("local_memory", device.local_mem_size // 2))
         # a diagnostic build: the kernels report each work-item's loop iterations
         self.count_loops = bool(overrides.get("count_loops", False))
@@ -215,11 +223,12 @@ class KernelLayout:
         nq = np.asarray(num_queries, dtype=np.int64)
         chunks = -(-np.asarray(num_keys, dtype=np.int64) // self.chunk)
         vectors = self.head_dim // self.vector_width
+        v_vectors = self.v_head_dim // self.vector_width
         query_blocks = -(-nq // self.query_tile)
-        out_per_item = -(-(self.max_queries // self.query_tile) * (vectors // self.column_tile)
+        out_per_item = -(-(self.max_queries // self.query_tile) * (v_vectors // self.column_tile)
                          // self.work_group_size)
         # output tiles: a fixed, unrolled loop when few (only its key loops count)
-        out_tiles = self._per_item(query_blocks * (vectors // self.column_tile))
+        out_tiles = self._per_item(query_blocks * (v_vectors // self.column_tile))
         out_loop = np.minimum(out_tiles, out_per_item) if out_per_item <= 8 else out_tiles
         out_head = 0 if out_per_item <= 8 else 1
         staged = self.stage_k or self.stage_v
@@ -235,7 +244,7 @@ class KernelLayout:
 
     def merge_iterations(self, num_queries: npt.ArrayLike, num_parts: npt.ArrayLike) -> "_Ints":
         """Loop iterations of the busiest work-item of ``merge_partials`` for one segment."""
-        vectors = self.head_dim // self.vector_width
+        vectors = self.v_head_dim // self.vector_width
         elements = self._per_item(np.asarray(num_queries, np.int64) * vectors,
                                   self.merge_work_group_size)
         return elements * (1 + 2 * np.asarray(num_parts, dtype=np.int64))
@@ -273,8 +282,9 @@ class KernelLayout:
 
     @property
     def split(self) -> int:
-        """Work-items that share the copy of one staged row: a divisor of its vectors."""
-        vectors = self.head_dim // self.vector_width
+        """Work-items that share the copy of one staged row: a divisor of its vectors
+        (of a K row's and a V row's both)."""
+        vectors = math.gcd(self.head_dim, self.v_head_dim) // self.vector_width
         return max(s for s in range(1, min(vectors, self.work_group_size) + 1) if vectors % s == 0)
 
     @property
@@ -292,16 +302,19 @@ class KernelLayout:
             f"-DPKV_SPLIT={self.split}", f"-DPKV_SW={self.softmax_width}",
             f"-DPKV_MERGE_WG={self.merge_work_group_size}",
             f"-DPKV_COUNT_LOOPS={int(self.count_loops)}",
+            f"-DPKV_V_HEAD_DIM={self.v_head_dim}",
             # -cl-mad-enable only: never -cl-fast-relaxed-math or -cl-finite-math-only.
             # The kernels use -INFINITY as the "no key yet" max and mask with it,
             # which finite-math lets a compiler assume away (Intel's then warns
             # and computes wrong rows); the results must not depend on it.
             "-cl-mad-enable")
 
-    def storage_options(self) -> Tuple[str, ...]:
-        """Build options of ``opencl/pkv_common.h`` (all that ``kv_pages.cl`` needs)."""
+    def storage_options(self, width: Optional[int] = None) -> Tuple[str, ...]:
+        """Build options of ``opencl/pkv_common.h`` (all that ``kv_pages.cl`` needs),
+        for rows of ``width`` values (default ``head_dim``; V rows of their own
+        width take a program of theirs)."""
         return self.storage.opencl_options(self.exact_division) + (
-            f"-DPKV_HEAD_DIM={self.head_dim}", f"-DPKV_VW={self.vector_width}")
+            f"-DPKV_HEAD_DIM={width or self.head_dim}", f"-DPKV_VW={self.vector_width}")
 
     def __repr__(self) -> str:
         return "KernelLayout(" + ", ".join(f"{k}={v}" for k, v in vars(self).items()) + ")"

@@ -112,6 +112,7 @@ class HostBackend(Backend):
         self._v_scales = [pools.get(values + "_scales", _no_scales()) for pools in self._pools]
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
+        self.v_width = storage.v_width(head_dim)
         self.page_size = page_size
         self.num_threads = _max_threads()
 
@@ -145,7 +146,7 @@ class HostBackend(Backend):
                   lse: Optional[np.ndarray] = None) -> np.ndarray:
         q = self._host_f32(q)
         plan = self.plan(tables, q.shape[1], spec.band)
-        out = np.empty_like(q) if out is None else out
+        out = np.empty(q.shape[:2] + (self.v_width,), np.float32) if out is None else out
         params: "AttentionParams" = dict(heads_per_item=plan.heads_per_item, max_rows_per_item=plan.max_rows,
                       scale=spec.scale, variant=variant_scalars(spec),
                       rotation_block=self.storage.rotation_block,
@@ -204,7 +205,8 @@ class HostBackend(Backend):
                     threads: int) -> int:
         """Query rows per item when the rows are many (block path): as many as
         L2 holds, halved while the items would be too few for ``threads``."""
-        most = max(rows_per_block, _BLOCK_ITEM_FLOATS // (2 * self.head_dim * group))
+        most = max(rows_per_block,
+                   _BLOCK_ITEM_FLOATS // ((self.head_dim + self.v_width) * group))
         while most > rows_per_block and \
                 (-(-num_rows // most)).sum() * self.num_kv_heads < \
                 _BLOCK_ITEMS_PER_THREAD * threads:
@@ -212,9 +214,8 @@ class HostBackend(Backend):
         return most
 
     def gather(self, layer: int, slots: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
-        shape = (len(slots), self.num_kv_heads, self.head_dim)
-        k = np.empty(shape, dtype=np.float32)
-        v = np.empty(shape, dtype=np.float32)
+        k = np.empty((len(slots), self.num_kv_heads, self.head_dim), dtype=np.float32)
+        v = np.empty((len(slots), self.num_kv_heads, self.v_width), dtype=np.float32)
         threads = _fork_safe(_threads_for(k.size, self.num_threads))
         rotation = self.storage.rotation
         _kernels.gather(self._k[layer], self._k_scales[layer], slots, k, *rotation, threads)

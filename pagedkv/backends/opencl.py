@@ -216,7 +216,12 @@ class OpenCLBackend(Backend):
         num_layers = len(layer_pages)
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.layer_pages, self.page_size = list(layer_pages), page_size
-        self._page_elems = num_kv_heads * page_size * head_dim
+        #: V rows' (and attention's output rows') width: v_head_dim (StorageFormat.v_width)
+        self.v_width = storage.v_width(head_dim)
+        # V rows of their own width: scatter, gather and the output's rotation run
+        # kv_pages.cl built for that width, pool by pool (_one_pool_args)
+        self._own_v_width = self.v_width != head_dim
+        self._page_elems = num_kv_heads * page_size * max(head_dim, self.v_width)
         num_pages = max(layer_pages)
         layer_bytes = num_pages * self._page_elems * storage.element.itemsize
         device_name = self.device.name.strip()
@@ -318,6 +323,14 @@ class OpenCLBackend(Backend):
         self._k_half = pages["half_to_float"]
         self._k_scale = pages["scale_floats"]
         self._k_rotations = [pages[name] for name in kernels.rotations]
+        self._v_rotations = self._k_rotations
+        if self._own_v_width:
+            v_pages = build_program(self.context, "kv_pages.cl",
+                                    self.layout.storage_options(self.v_width))
+            self._v_scatter, self._v_gather = v_pages[kernels.scatter], v_pages[kernels.gather]
+            self._v_rotations = [v_pages[name] for name in kernels.rotations]
+            self._v_rows_or_vectors = kernels.items_per_row(self.v_width,
+                                                            self.layout.vector_width)
         # raw rows (read_rows / write_rows), by the bytes of the unit they move
         self._k_rows = {4: (pages["read_rows_u32"], pages["write_rows_u32"]),
                         1: (pages["read_rows_u8"], pages["write_rows_u8"])}
@@ -326,7 +339,8 @@ class OpenCLBackend(Backend):
             *(k.work_group_limit(self.device) for k in pages.values())))
         # the attention kernel stages K/V rows, where it can take the new ones
         # from the store's input (formats that store vector by vector)
-        self._fuses_store = kernels.fused_store and self.layout.stage_k and \
+        self._fuses_store = kernels.fused_store and not self._own_v_width and \
+            self.layout.stage_k and \
             self.layout.stage_v
         # work-items per stored row of scatter and gather
         self._rows_or_vectors = kernels.items_per_row(self.head_dim, self.layout.vector_width)
@@ -334,7 +348,7 @@ class OpenCLBackend(Backend):
     # -- helpers --------------------------------------------------------------------
     @property
     def memory_bytes(self) -> int:
-        return self.storage.num_pools * sum(self.layer_pages) * self.storage.page_bytes(
+        return sum(self.layer_pages) * self.storage.page_bytes(
             self.num_kv_heads, self.page_size, self.head_dim)
 
     def _scales(self, layer: int) -> "Tuple[pyopencl.Buffer, pyopencl.Buffer]":
@@ -355,11 +369,24 @@ class OpenCLBackend(Backend):
                 args["v_scales"] = args["k_scales"]
         return args
 
-    def _rotate(self, x: "_DeviceMemory", rows: int) -> "List[pyopencl.Event]":
+    def _one_pool_args(self, layer: int, side: str) -> Dict[str, Any]:
+        """``_pool_args`` with pool ``side`` ("k" or "v") as both K's and V's: the
+        kernels of kv_pages.cl then move that pool's rows alone (as for latent
+        rows), which is how V rows of their own width go through their program."""
+        args = self._pool_args(layer)
+        args["k_pool"] = args["v_pool"] = args[side + "_pool"]
+        if "k_scales" in args:
+            args["k_scales"] = args["v_scales"] = args[side + "_scales"]
+        return args
+
+    def _rotate(self, x: "_DeviceMemory", rows: int,
+                values: bool = False) -> "List[pyopencl.Event]":
         """The format's rotations (``OpenCLKernels.rotations``; often none) of the
-        first ``rows`` rows of float32 device buffer (or array) ``x``, in place;
-        returns their events."""
-        return [self._launch(kernel, rows, x=x, n=rows) for kernel in self._k_rotations]
+        first ``rows`` rows of float32 device buffer (or array) ``x``, in place:
+        rows of ``head_dim`` (queries), or with ``values`` of the V rows' width
+        (attention's output); returns their events."""
+        kernels = self._v_rotations if values else self._k_rotations
+        return [self._launch(kernel, rows, x=x, n=rows) for kernel in kernels]
 
     def _upload(self, array: Any, dtype: "Optional[npt.DTypeLike]" = None) -> "pyopencl.Buffer":
         """A device copy (a pyopencl Buffer, :func:`_buffer_holding`) of a non-empty
@@ -497,10 +524,11 @@ class OpenCLBackend(Backend):
         rows = self.num_kv_heads * self.page_size
         item = self.storage.element.itemsize
         parts = self._copy_set
-        # latent rows: the kernel copies the K pool as V too (a second copy of the same
-        # page, harmless), the one kernel for both layouts
-        pairs = [(part, part) for part in parts] if self.storage.latent else \
-            list(zip(parts[0::2], parts[1::2]))
+        # latent rows, and V rows of their own width (whose pages hold other counts
+        # of elements): the kernel copies each pool as both of its pair (a second
+        # copy of the same page, harmless), the one kernel for every layout
+        pairs = [(part, part) for part in parts] if self.storage.latent or self._own_v_width \
+            else list(zip(parts[0::2], parts[1::2]))
         for layer in layers:
             pools = self._pools[layer]
             for k_part, v_part in pairs:
@@ -530,6 +558,20 @@ class OpenCLBackend(Backend):
     def _scatter(self, layer: int, tables: StepTables, k: "_DeviceMemory", v: "_DeviceMemory",
                  wait_for: "Optional[List[pyopencl.Event]]" = None) -> "pyopencl.Event":
         """Queue the scatter of device K/V ``k``, ``v`` into layer ``layer``; its event."""
+        if self._own_v_width:   # each pool by the program of its width; the queue keeps order
+            self._launch(self._k_scatter,
+                         tables.num_tokens * self.num_kv_heads * self._rows_or_vectors,
+                         wait_for=wait_for, k=k, v=k, slot_mapping=tables.device.slot_mapping,
+                         num_tokens=tables.num_tokens, num_kv_heads=self.num_kv_heads,
+                         page_size=self.page_size,
+                         num_slots=self.layer_pages[layer] * self.page_size,
+                         **self._one_pool_args(layer, "k"))
+            return self._launch(
+                self._v_scatter, tables.num_tokens * self.num_kv_heads * self._v_rows_or_vectors,
+                k=v, v=v, slot_mapping=tables.device.slot_mapping, num_tokens=tables.num_tokens,
+                num_kv_heads=self.num_kv_heads, page_size=self.page_size,
+                num_slots=self.layer_pages[layer] * self.page_size,
+                **self._one_pool_args(layer, "v"))
         return self._launch(
             self._k_scatter, tables.num_tokens * self.num_kv_heads * self._rows_or_vectors,
             wait_for=wait_for, k=k, v=v, slot_mapping=tables.device.slot_mapping,
@@ -562,7 +604,7 @@ class OpenCLBackend(Backend):
         if plan.num_items == 0:   # no new tokens: nothing to launch (and no empty buffers)
             self._flush()
             self._last_events = []
-            zeros = np.zeros(q.shape, dtype=np.float32)
+            zeros = np.zeros(q.shape[:2] + (self.v_width,), dtype=np.float32)
             if native:
                 return _cl_array.to_device(self.queue, zeros)
             if result is None:
@@ -588,15 +630,19 @@ class OpenCLBackend(Backend):
         # every call; a pyopencl result is the caller's to keep (made like the
         # float32 q: pyopencl's general constructor costs more than a decode layer's kernel)
         if native:
-            # (a native q comes back from _device_f32 as an Array)
-            out_d = _cl_array.empty_like(cast("pyopencl.array.Array", qd), queue=self.queue,
-                                         allocator=self._zeros)
-            out_d.allocator = None    # what pyopencl makes from it later: its default buffers
+            # (a native q comes back from _device_f32 as an Array); V rows of their
+            # own width make an output of another shape, by the general constructor
+            out_a: Any = _cl_array.empty_like(cast("pyopencl.array.Array", qd), queue=self.queue,
+                                         allocator=self._zeros) if not self._own_v_width \
+                else _cl_array.empty(self.queue, q.shape[:2] + (self.v_width,), np.float32,
+                                     allocator=self._zeros)
+            out_a.allocator = None    # what pyopencl makes from it later: its default buffers
+            out_d = out_a
         else:
-            out_d = self._work_buffer("out", rows * self.head_dim)
+            out_d = self._work_buffer("out", rows * self.v_width)
         lse_d = self._placeholder if lse is None else self._work_buffer("lse", rows)
         parts = plan.num_partial_floats
-        part_acc, part_max, part_sum = (self._work_buffer("part_acc", parts * self.head_dim),
+        part_acc, part_max, part_sum = (self._work_buffer("part_acc", parts * self.v_width),
                                         self._work_buffer("part_max", parts),
                                         self._work_buffer("part_sum", parts))
         variant = np.array(tuple(variant_scalars(spec).values()), variant_dtype())
@@ -633,7 +679,7 @@ class OpenCLBackend(Backend):
                 part_acc=part_acc, part_max=part_max, part_sum=part_sum, group=plan.group,
                 num_groups=plan.num_groups, variant=variant, sinks=sinks, out=out_d, lse=lse_d,
                 has_lse=lse is not None, loop_counts=merge_counts))
-        events += self._rotate(out_d, rows)   # the output, back from the rotated basis
+        events += self._rotate(out_d, rows, values=True)   # back from the rotated basis
         self._last_events = events
         if counting:
             counts = (np.empty(num_groups * wg, np.int32),
@@ -647,7 +693,7 @@ class OpenCLBackend(Backend):
             self._hand_back(q, event=events[0])
             return out_d
         if result is None:
-            result = np.empty(q.shape, np.float32)
+            result = np.empty(q.shape[:2] + (self.v_width,), np.float32)
         if lse is not None:
             self._cl.enqueue_copy(self.queue, lse, lse_d)
         self._cl.enqueue_copy(self.queue, result, out_d)
@@ -707,11 +753,23 @@ class OpenCLBackend(Backend):
         self._flush()
         n = len(slots)
         k = np.empty((n, self.num_kv_heads, self.head_dim), dtype=np.float32)
-        v = np.empty_like(k)
+        v = np.empty((n, self.num_kv_heads, self.v_width), dtype=np.float32)
         if n == 0:
             return k, v
         slots_d = self._upload(slots.astype(np.int64))
         kd, vd = self._zeros(k.nbytes), self._zeros(v.nbytes)
+        if self._own_v_width:   # each pool by the program of its width, into its own rows
+            for kernel, out_d, side, items in ((self._k_gather, kd, "k", self._rows_or_vectors),
+                                               (self._v_gather, vd, "v",
+                                                self._v_rows_or_vectors)):
+                self._launch(kernel, n * self.num_kv_heads * items, slots=slots_d, k_out=out_d,
+                             v_out=out_d, num_slots_wanted=n, num_kv_heads=self.num_kv_heads,
+                             page_size=self.page_size,
+                             num_slots=self.layer_pages[layer] * self.page_size,
+                             **self._one_pool_args(layer, side))
+            self._cl.enqueue_copy(self.queue, k, kd, is_blocking=False)
+            self._cl.enqueue_copy(self.queue, v, vd)
+            return k, v
         self._launch(self._k_gather, n * self.num_kv_heads * self._rows_or_vectors,
                      slots=slots_d, k_out=kd,
                      v_out=vd, num_slots_wanted=n, num_kv_heads=self.num_kv_heads,
