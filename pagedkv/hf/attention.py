@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, Tuple
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from pagedkv.hf.cache import take_update
+from pagedkv.hf.cache import note_padding, take_update
 from pagedkv.hf.config import UnsupportedModelError
 
 if TYPE_CHECKING:   # annotations only: torch comes with transformers
@@ -50,13 +50,17 @@ def padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int =
                                     "(or_mask_function / and_mask_function); pagedkv's "
                                     "attention is causal, with windows only")
     if attention_mask is None:
+        note_padding(batch_size, q_length, None)
         return None
     if attention_mask.ndim != 2 or attention_mask.shape[0] != batch_size \
             or attention_mask.shape[1] < q_length:
         raise ValueError(f"attention_mask: expected a 2D padding mask [batch, past + new] = "
                          f"{[batch_size, kv_length + kv_offset]}, got {list(attention_mask.shape)}")
     new = attention_mask[:, attention_mask.shape[1] - q_length:].bool()
-    return None if bool(new.all()) else new
+    new = None if bool(new.all()) else new
+    # a hybrid model's recurrent layers may come first in the pass, and get no mask of ours
+    note_padding(batch_size, q_length, new)
+    return new
 
 
 def paged_attention_forward(module: "torch.nn.Module", query: "torch.Tensor",

@@ -19,12 +19,40 @@ cache of ``kv_layout="latent"``: one KV head whose rows are the normalised
 latent (``kv_lora_rank``) then the rotary key (``qk_rope_head_dim``), the
 values the latent itself; :class:`LatentAttention` keeps the per-head widths
 the absorbed attention needs (``pagedkv.hf.attention``).
+
+Hybrid models mix attention layers with recurrent ones, which keep a fixed-size
+state per sequence instead of K/V (``layer_states`` of the cache, one
+:class:`RecurrentLayer` per such layer):
+
+- ``linear_attention`` layers of Qwen3.5 and Qwen3-Next (gated DeltaNet): a
+  causal convolution over q, k and v (state ``[conv_dim, kernel - 1]``,
+  ``conv_dim = 2 * linear_num_key_heads * linear_key_head_dim +
+  linear_num_value_heads * linear_value_head_dim``) and the delta rule's state
+  ``[linear_num_value_heads, linear_key_head_dim, linear_value_head_dim]``;
+- ``conv`` layers of LFM2 (short convolutions): ``[hidden_size, conv_L_cache - 1]``;
+- ``linear_attention`` (or ``mamba``) layers of GraniteMoeHybrid (Mamba2): the
+  convolution's ``[conv_dim, mamba_d_conv - 1]`` (``conv_dim = mamba_expand *
+  hidden_size + 2 * mamba_n_groups * mamba_d_state``) and the SSM state
+  ``[mamba_n_heads, mamba_d_head, mamba_d_state]``.
+
+A recurrent layer type of any other model is an :class:`UnsupportedModelError`:
+the same name means other state (and other mixer code) in other models.
 """
 from dataclasses import dataclass
-from typing import Any, Iterable, Optional, Tuple
+from typing import Any, Dict, Iterable, Optional, Tuple
 
-#: Layer types of transformers' configs that map onto a pagedkv layer.
+#: Layer types of transformers' configs that map onto a pagedkv attention layer.
 SERVED_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+
+#: Recurrent layer types, per model type whose mixer pagedkv serves: the kind of recurrence.
+RECURRENT_LAYER_KINDS: Dict[str, Dict[str, str]] = {
+    "qwen3_5_text": {"linear_attention": "gated_delta_net"},
+    "qwen3_5_moe_text": {"linear_attention": "gated_delta_net"},
+    "qwen3_next": {"linear_attention": "gated_delta_net"},
+    "lfm2": {"conv": "short_conv"},
+    "lfm2_moe": {"conv": "short_conv"},
+    "granitemoehybrid": {"linear_attention": "mamba2", "mamba": "mamba2"},
+}
 
 
 class UnsupportedModelError(ValueError):
@@ -51,6 +79,29 @@ class LatentAttention:
 
 
 @dataclass(frozen=True)
+class RecurrentLayer:
+    """A layer that keeps a fixed-size state per sequence instead of K/V.
+
+    Attributes
+    ----------
+    kind : {"gated_delta_net", "short_conv", "mamba2"}
+        The recurrence: gated DeltaNet (a causal convolution, then the gated
+        delta rule; Qwen3.5, Qwen3-Next), a short convolution (LFM2), or Mamba2
+        (a causal convolution, then the selective scan; GraniteMoeHybrid).
+    shapes : tuple of tuple of int
+        The layer's state arrays, one sequence's (the ``StateSpec`` shapes):
+        the convolution's ``(conv_dim, conv_kernel - 1)`` first, then for
+        gated DeltaNet ``(num_v_heads, k_head_dim, v_head_dim)`` and for Mamba2
+        ``(num_heads, head_dim, state_size)``.
+    conv_kernel : int
+        The causal convolution's width.
+    """
+    kind: str
+    shapes: Tuple[Tuple[int, ...], ...]
+    conv_kernel: int
+
+
+@dataclass(frozen=True)
 class ModelAttention:
     """The attention geometry and variants of a decoder.
 
@@ -73,6 +124,9 @@ class ModelAttention:
         ``kv_layout="latent"``, of ``head_dim = kv_lora_rank + qk_rope_head_dim``
         values with the first ``kv_lora_rank`` as values, in one KV head); None
         for other models.
+    layer_states : tuple of (RecurrentLayer or None), length num_layers, or ()
+        The recurrent layers of a hybrid model (None at attention layers); ``()``
+        for a model of attention layers only.
     """
     model_type: str
     num_layers: int
@@ -86,6 +140,12 @@ class ModelAttention:
     vocab_size: int
     max_position: int
     latent: Optional[LatentAttention] = None
+    layer_states: Tuple[Optional[RecurrentLayer], ...] = ()
+
+    @property
+    def is_hybrid(self) -> bool:
+        """True when some layer is recurrent (``layer_states`` has an entry)."""
+        return any(state is not None for state in self.layer_states)
 
     @property
     def has_windowed_layers(self) -> bool:
@@ -109,12 +169,52 @@ def _positive_int(config: Any, name: str, value: Any) -> int:
     return value
 
 
-def _check_layer_types(layer_types: Iterable[str]) -> None:
+def _check_layer_types(layer_types: Iterable[str], model_type: str) -> None:
+    recurrent = RECURRENT_LAYER_KINDS.get(model_type, {})
     for index, kind in enumerate(layer_types):
-        if kind not in SERVED_LAYER_TYPES:
+        if kind in SERVED_LAYER_TYPES or kind in recurrent:
+            continue
+        served = " and ".join(map(repr, SERVED_LAYER_TYPES))
+        if any(kind in kinds for kinds in RECURRENT_LAYER_KINDS.values()):
+            models = ", ".join(m for m, kinds in RECURRENT_LAYER_KINDS.items() if kind in kinds)
             raise UnsupportedModelError(
-                f"config.layer_types[{index}]: {kind!r} has no mapping in pagedkv (it serves "
-                f"{' and '.join(map(repr, SERVED_LAYER_TYPES))} layers)")
+                f"config.layer_types[{index}]: {kind!r} layers of {model_type} have no mapping "
+                f"in pagedkv (it serves {served} layers, and {kind!r} layers of {models})")
+        raise UnsupportedModelError(
+            f"config.layer_types[{index}]: {kind!r} has no mapping in pagedkv (it serves "
+            f"{served} layers, and the recurrent layers of "
+            f"{', '.join(RECURRENT_LAYER_KINDS)})")
+
+
+def _recurrent_layer(config: Any, kind: str) -> RecurrentLayer:
+    """The :class:`RecurrentLayer` of one recurrent layer of ``config`` (a served model type)."""
+    def field(name: str) -> int:
+        return _positive_int(config, name, getattr(config, name, None))
+
+    if kind == "gated_delta_net":
+        num_k_heads, num_v_heads = field("linear_num_key_heads"), field("linear_num_value_heads")
+        k_dim, v_dim = field("linear_key_head_dim"), field("linear_value_head_dim")
+        kernel = field("linear_conv_kernel_dim")
+        if num_v_heads % num_k_heads:
+            raise UnsupportedModelError(
+                f"config.linear_num_value_heads: {num_v_heads} is not a multiple of "
+                f"linear_num_key_heads={num_k_heads} ({config.model_type})")
+        conv_dim = 2 * num_k_heads * k_dim + num_v_heads * v_dim
+        return RecurrentLayer(kind, ((conv_dim, kernel - 1), (num_v_heads, k_dim, v_dim)), kernel)
+    if kind == "short_conv":
+        kernel = field("conv_L_cache")
+        return RecurrentLayer(kind, ((field("hidden_size"), kernel - 1),), kernel)
+    # mamba2
+    hidden, expand = field("hidden_size"), field("mamba_expand")
+    num_heads, head_dim = field("mamba_n_heads"), field("mamba_d_head")
+    groups, state_size, kernel = field("mamba_n_groups"), field("mamba_d_state"), \
+        field("mamba_d_conv")
+    if num_heads % groups:
+        raise UnsupportedModelError(f"config.mamba_n_heads: {num_heads} is not a multiple of "
+                                    f"mamba_n_groups={groups} ({config.model_type})")
+    conv_dim = expand * hidden + 2 * groups * state_size
+    return RecurrentLayer(kind, ((conv_dim, kernel - 1), (num_heads, head_dim, state_size)),
+                          kernel)
 
 
 def read_model_attention(config: Any) -> ModelAttention:
@@ -134,8 +234,9 @@ def read_model_attention(config: Any) -> ModelAttention:
     ------
     UnsupportedModelError
         An attention pagedkv has no mapping for (a layer type other than
-        ``full_attention``, ``sliding_attention`` and ``chunked_attention``:
-        linear or shared-KV layers), bidirectional attention, heads that GQA cannot group,
+        ``full_attention``, ``sliding_attention`` and ``chunked_attention``,
+        except the recurrent layers of the models in ``RECURRENT_LAYER_KINDS``:
+        shared-KV layers, or the linear layers of other models), bidirectional attention, heads that GQA cannot group,
         keys and values of different widths outside latent attention, or a
         latent attention without the widths it needs; the message names the
         config field and its value.
@@ -181,9 +282,16 @@ def read_model_attention(config: Any) -> ModelAttention:
 
     # the config's own list first: transformers' reading of it may fail on types it
     # cannot size; then its reading (types inferred from windows, shared-KV layers)
-    _check_layer_types(getattr(config, "layer_types", None) or ())
+    _check_layer_types(getattr(config, "layer_types", None) or (), model_type)
     layer_types, layer_kwargs = get_layer_types_and_kwargs(config)
-    _check_layer_types(layer_types)
+    _check_layer_types(layer_types, model_type)
+    recurrent_kinds = RECURRENT_LAYER_KINDS.get(model_type, {})
+    states = [_recurrent_layer(config, recurrent_kinds[kind]) if kind in recurrent_kinds
+              else None for kind in layer_types]
+    if len(states) == num_layers and states[0] is not None \
+            and all(state is not None for state in states):
+        raise UnsupportedModelError(f"config.layer_types: every layer of this {model_type} is "
+                                    f"recurrent; pagedkv serves hybrid models (some attention)")
     windows, chunks = [], []
     for kind, kwargs in zip(layer_types, layer_kwargs):
         # transformers gives a chunked layer its chunk size as "sliding_window"
@@ -212,7 +320,7 @@ def read_model_attention(config: Any) -> ModelAttention:
         scale=scale, logits_soft_cap=None if cap is None else float(cap),
         vocab_size=int(config.vocab_size),
         max_position=int(getattr(config, "max_position_embeddings", None) or 2**31 - 1),
-        latent=latent)
+        latent=latent, layer_states=tuple(states) if any(states) else ())
 
 
 def _latent_attention(config: Any) -> Optional[LatentAttention]:

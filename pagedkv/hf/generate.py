@@ -19,6 +19,7 @@ import torch
 from transformers import GenerationConfig, PreTrainedModel
 
 from pagedkv.hf.cache import Attend, PagedCache
+from pagedkv.hf.config import read_model_attention
 from pagedkv.models.engine import Engine
 
 #: GenerationConfig fields generate_batch applies.
@@ -45,6 +46,27 @@ class DecoderConfig:
         return any(w is not None for w in self.layer_windows)
 
 
+class _StepRecorder:
+    """``cache.kv`` as the engine sees it, keeping the batch of each ``append``.
+
+    The engine hands the model a step's attention hook only; a hybrid model's
+    recurrent layers also need the step's batch (``query_start``), which is
+    the one this cache's last ``append`` returned.  Everything else is
+    ``cache.kv``'s own.
+    """
+
+    def __init__(self, kv: Any):
+        self._kv = kv
+        self.batch: Any = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._kv, name)
+
+    def append(self, *args: Any, **kwargs: Any) -> Any:
+        self.batch = self._kv.append(*args, **kwargs)
+        return self.batch
+
+
 class TransformersDecoder:
     """A transformers causal LM with the engine's model interface.
 
@@ -56,7 +78,8 @@ class TransformersDecoder:
         For ``model.config``; the engine runs on ``cache.kv``.
     """
 
-    def __init__(self, model: PreTrainedModel, cache: PagedCache):
+    def __init__(self, model: PreTrainedModel, cache: PagedCache,
+                 steps: Optional[_StepRecorder] = None):
         if getattr(model.config, "_attn_implementation", None) != "pagedkv":
             raise ValueError(
                 f"model: expected a model loaded with attn_implementation=\"pagedkv\" (after "
@@ -65,6 +88,7 @@ class TransformersDecoder:
         spec = cache.attention_config
         self.model = model
         self.cache = cache
+        self.steps = steps     # the batches of the engine's appends (recurrent layers need them)
         self.name = getattr(model.config, "name_or_path", None) or spec.model_type
         self.config = DecoderConfig(spec.num_layers, spec.num_kv_heads, spec.head_dim,
                                     spec.vocab_size, spec.max_position, spec.layer_windows)
@@ -90,7 +114,8 @@ class TransformersDecoder:
         pos = torch.as_tensor(np.asarray(positions, dtype=np.int64)).view(1, -1).to(device)
         keep = 0 if logit_rows is None else \
             torch.as_tensor(np.asarray(logit_rows, dtype=np.int64)).to(device)
-        with torch.inference_mode(), self.cache.bind(attend):
+        batch = None if self.steps is None else self.steps.batch
+        with torch.inference_mode(), self.cache.bind(attend, batch):
             out = self.model(input_ids=ids, position_ids=pos, past_key_values=self.cache,
                              use_cache=True, logits_to_keep=keep)
         return out.logits[0].float().cpu().numpy()
@@ -179,7 +204,8 @@ def make_engine(model: PreTrainedModel, cache: PagedCache, *, max_num_seqs: int 
     if not isinstance(cache, PagedCache):
         raise ValueError(f"cache: expected a pagedkv.hf.PagedCache, got "
                          f"{type(cache).__name__}")
-    return Engine(TransformersDecoder(model, cache), cache.kv, max_num_seqs=max_num_seqs,
+    steps = _StepRecorder(cache.kv)
+    return Engine(TransformersDecoder(model, cache, steps), steps, max_num_seqs=max_num_seqs,
                   max_num_batched_tokens=max_num_batched_tokens, seed=seed)
 
 
@@ -190,7 +216,9 @@ def generate_batch(model: PreTrainedModel, prompts: Sequence[Sequence[int]],
                    enable_prefix_caching: bool = True, max_num_seqs: int = 32,
                    max_num_batched_tokens: int = 512,
                    generation_config: Optional[GenerationConfig] = None,
-                   seed: Optional[int] = None, **generation_kwargs: Any) -> List[List[int]]:
+                   seed: Optional[int] = None, num_state_slots: Optional[int] = None,
+                   state_snapshot_interval: Optional[int] = None,
+                   **generation_kwargs: Any) -> List[List[int]]:
     """Complete token-id prompts with continuous batching over a paged KV cache.
 
     Parameters
@@ -219,6 +247,13 @@ def generate_batch(model: PreTrainedModel, prompts: Sequence[Sequence[int]],
         ``eos_token_id``.
     seed : int, optional
         Seeds sampling (``do_sample=True``).
+    num_state_slots : int, optional
+        A hybrid model's new cache: slots of its state pool (default: two per
+        request that can run at once, so that prefix snapshots fit beside
+        them).
+    state_snapshot_interval : int, optional
+        A hybrid model's new cache: tokens between state snapshots for prefix
+        reuse (as :class:`PagedCache`).
     **generation_kwargs
         GenerationConfig fields: ``do_sample``, ``temperature``, ``top_k``
         (transformers' default 50 applies when sampling), ``top_p``,
@@ -248,12 +283,18 @@ def generate_batch(model: PreTrainedModel, prompts: Sequence[Sequence[int]],
             num_pages = _default_num_pages(prompts, max_new_tokens, page_size,
                                            model.config.get_text_config(decoder=True)
                                            .max_position_embeddings or 2**31 - 1)
+        num_seqs = min(len(prompts), max_num_seqs)
+        state_options: Dict[str, Any] = {}
+        if read_model_attention(model.config).is_hybrid:
+            state_options = dict(
+                num_state_slots=2 * num_seqs + 2 if num_state_slots is None else num_state_slots,
+                state_snapshot_interval=state_snapshot_interval)
         cache = PagedCache(model.config, num_pages=num_pages, page_size=page_size,
                            backend=backend, dtype=dtype,
                            enable_prefix_caching=enable_prefix_caching,
                            num_window_pages=_window_pages(model.config, num_pages, page_size,
-                                                          min(len(prompts), max_num_seqs),
-                                                          max_num_batched_tokens))
+                                                          num_seqs, max_num_batched_tokens),
+                           **state_options)
     engine = make_engine(model, cache, max_num_seqs=max_num_seqs,
                          max_num_batched_tokens=max_num_batched_tokens, seed=seed)
     request_ids = [engine.add_request(p, max_new_tokens=max_new_tokens, **options)
@@ -271,7 +312,6 @@ def _window_pages(config: Any, num_pages: int, page_size: int, num_seqs: int,
     sequence (``PagedKVCache``); the step's new tokens are the budget at most.
     None without windowed layers.
     """
-    from pagedkv.hf.config import read_model_attention
     windows = [w for w in read_model_attention(config).layer_windows if w is not None]
     if not windows:
         return None
