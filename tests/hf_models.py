@@ -116,3 +116,63 @@ def padded(prompts, pad_id, side):
         masks.append([0] * len(fill) + [1] * len(p) if side == "left"
                      else [1] * len(p) + [0] * len(fill))
     return torch.tensor(rows), torch.tensor(masks)
+
+
+# -- hybrid models (recurrent layers beside attention) -------------------------------------
+#: The hybrid families pagedkv.hf serves, as tiny random models (:func:`tiny_hybrid`).
+HYBRID_FAMILIES = ("qwen3_5", "qwen3_next", "lfm2", "granitemoehybrid")
+
+
+def tiny_hybrid_config(family):
+    """A tiny config of ``family``: three layers, recurrent / attention / recurrent.
+
+    ``initializer_range=0.1`` (not 0.02): the default's near-uniform logits tie
+    within float32 rounding (LFM2's repeat one token), so greedy tokens would
+    compare nothing.
+    """
+    import transformers
+    common = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.1,
+                  num_hidden_layers=3)
+    delta = dict(head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                 linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
+                 layer_types=["linear_attention", "full_attention", "linear_attention"])
+    if family == "qwen3_5":
+        return transformers.Qwen3_5TextConfig(**common, **delta)
+    if family == "qwen3_next":
+        return transformers.Qwen3NextConfig(**common, **delta, num_experts=4,
+                                            num_experts_per_tok=2, moe_intermediate_size=32,
+                                            shared_expert_intermediate_size=32)
+    if family == "lfm2":
+        return transformers.Lfm2Config(**common, conv_L_cache=3,
+                                       layer_types=["conv", "full_attention", "conv"])
+    if family == "granitemoehybrid":
+        return transformers.GraniteMoeHybridConfig(
+            **common, layer_types=["linear_attention", "full_attention", "linear_attention"],
+            mamba_n_heads=8, mamba_n_groups=2, mamba_d_state=16, mamba_d_head=16,
+            mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=16, num_local_experts=4,
+            num_experts_per_tok=2)
+    raise ValueError(f"family: expected one of {HYBRID_FAMILIES}, got {family!r}")
+
+
+def tiny_hybrid(family, seed=0):
+    """A tiny random float32 model of ``family`` in eval mode (seeded), attention "pagedkv"."""
+    require_hf()
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import pagedkv.hf  # noqa: F401  (registers "pagedkv")
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_hybrid_config(family), dtype=torch.float32,
+                                             attn_implementation="pagedkv")
+    return model.eval()
+
+
+def greedy_with_own_cache(model, prompt, max_new_tokens, **options):
+    """``model.generate`` of ``prompt`` alone with transformers' own cache and sdpa (the oracle)."""
+    import torch
+    with sdpa(model), torch.inference_mode():
+        out = model.generate(torch.tensor([prompt]),
+                             attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                             max_new_tokens=max_new_tokens, do_sample=False, **options)
+    return out[0, len(prompt):].tolist()

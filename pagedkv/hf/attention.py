@@ -56,8 +56,8 @@ def padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int =
             or attention_mask.shape[1] < q_length:
         raise ValueError(f"attention_mask: expected a 2D padding mask [batch, past + new] = "
                          f"{[batch_size, kv_length + kv_offset]}, got {list(attention_mask.shape)}")
-    new = attention_mask[:, attention_mask.shape[1] - q_length:].bool()
-    new = None if bool(new.all()) else new
+    tokens = attention_mask[:, attention_mask.shape[1] - q_length:].bool()
+    new = None if bool(tokens.all()) else tokens
     # a hybrid model's recurrent layers may come first in the pass, and get no mask of ours
     note_padding(batch_size, q_length, new)
     return new

@@ -177,7 +177,7 @@ class _PagedStateLayer(LinearAttentionCacheLayerMixin):
     @property
     def is_croppable(self) -> bool:   # type: ignore[override]
         """Assisted decoding crops: the pool keeps ``state_rollback_tokens`` states back."""
-        return bool(self._cache.kv.state_rollback_tokens)
+        return self._cache.state_rollback_tokens > 0
 
     def lazy_initialization(self, conv_states: Any = None, recurrent_states: Any = None,
                             state_idx: int = 0, **kwargs: Any) -> None:
@@ -317,6 +317,8 @@ class PagedCache(Cache):
                     f"the {backend!r} backend: {exc}") from exc
             raise
         self.kv = kv
+        #: Tokens a recurrent state can be rolled back by (``crop``), as given to ``kv``.
+        self.state_rollback_tokens = int(state_rollback_tokens)
         layers: List[Any] = []
         for window, state in zip(spec.layer_windows,
                                  spec.layer_states or (None,) * spec.num_layers):
@@ -629,13 +631,12 @@ class PagedCache(Cache):
     # functions pagedkv.hf.recurrent routes read and write them there, so nothing here
     # hands a state tensor out or takes one in.
     def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> None:
-        """None (the pool holds the state); notes ``layer_idx`` for the delta rule that follows."""
+        """None: the pool holds the state, which the routed calls read themselves."""
         self._recurrent_layer(layer_idx)
-        recurrent.note_state_call(self, layer_idx)
         return None
 
     def update_recurrent_state(self, recurrent_states: Any, layer_idx: int, state_idx: int = 0,
-                               **kwargs: Any) -> None:
+                               **kwargs: Any) -> Any:
         """Nothing to store: the routed call wrote the state into the pool already."""
         if recurrent_states is not None:
             raise ValueError(f"layer {layer_idx}: a recurrent state computed outside pagedkv "
@@ -679,7 +680,7 @@ class PagedCache(Cache):
         if not self.attention_config.is_hybrid:
             return
         need = 1 if recurrent_states_to_keep is None else int(recurrent_states_to_keep)
-        have = self.kv.state_rollback_tokens
+        have = self.state_rollback_tokens
         if need > have:
             raise ValueError(f"state_rollback_tokens: this generation may roll back {need} "
                              f"tokens (assisted decoding's draft), the PagedCache keeps "

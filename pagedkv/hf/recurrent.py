@@ -18,9 +18,10 @@ module: under a :class:`~pagedkv.hf.PagedCache` it hands the step's rows to the
 cache (``PagedKVCache.causal_conv1d`` / ``gated_delta_rule`` on the layer's
 pooled state, or Mamba2's own math between ``read_states`` and
 ``write_states``); under any other cache, or none, it calls transformers' own
-function unchanged.  The delta rule takes no cache argument, so the cache's
-``get_recurrent_state`` leaves a note on this thread for the call that follows
-(as ``update`` does for the attention call, :func:`pagedkv.hf.cache.take_update`).
+function unchanged.  The delta rule takes no cache argument: gated DeltaNet
+runs its convolution just before it, so the convolution's dispatcher leaves a
+note on this thread for the delta rule that follows (a PagedCache's layer, or
+none under another cache, which also clears a note a failed pass left).
 """
 import importlib
 import threading
@@ -38,18 +39,13 @@ MODELING_MODULES: Dict[str, str] = {
 
 _ORIGINAL = "__pagedkv_original__"
 _install_lock = threading.Lock()
-# get_recurrent_state's note for the delta rule that follows on the same thread
+# the last convolution's cache and layer, for the delta rule that follows on the same thread
 _pending = threading.local()
 
 
 def _is_paged(cache: Any) -> bool:
     from pagedkv.hf.cache import PagedCache
     return isinstance(cache, PagedCache)
-
-
-def note_state_call(cache: Any, layer: int) -> None:
-    """``cache.get_recurrent_state(layer)`` ran: the delta rule that follows is ``layer``'s."""
-    _pending.call = (cache, layer)
 
 
 def _take_state_call() -> Optional[Tuple[Any, int]]:
@@ -63,7 +59,9 @@ def _conv_dispatcher(original: Callable[..., Any]) -> Callable[..., Any]:
                               activation: Optional[str] = None, state_idx: int = 0,
                               **kwargs: Any) -> Any:
         if _is_paged(cache):
+            _pending.call = (cache, layer_idx)
             return cache.recurrent_conv(layer_idx, conv1d, hidden_states, activation, state_idx)
+        _pending.call = None
         return original(conv1d, hidden_states, cache, layer_idx, activation=activation,
                         state_idx=state_idx, **kwargs)
     return causal_conv1d_forward
