@@ -217,3 +217,22 @@ def test_state_options_need_a_hybrid_model():
                                       intermediate_size=64, vocab_size=50)
     with pytest.raises(ValueError, match="state_rollback_tokens: llama has no recurrent layers"):
         pagedkv.hf.PagedCache(config, num_pages=4, backend="host", state_rollback_tokens=2)
+
+
+# -- the example -------------------------------------------------------------------------------
+def test_the_hybrid_example_runs_as_written(backend, capsys):
+    """``examples/hf_hybrid.py`` (in this process, its ``main(argv)``): every output equals
+    transformers' own cache, and the second turn starts from the cached prefix."""
+    import importlib.util
+    import re
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "examples" / "hf_hybrid.py"
+    if not path.exists():
+        pytest.skip(f"{path} is not here (tests run from a copy without the repository)")
+    spec = importlib.util.spec_from_file_location("hf_hybrid", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    assert example.main(["--backend", backend, "--max-new-tokens", "4"])
+    out = capsys.readouterr().out
+    assert "same tokens as transformers' own cache: 5/5" in out, out
+    assert re.search(r"[1-9]\d*% of the prompt tokens reused from the prefix cache", out), out

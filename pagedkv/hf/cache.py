@@ -774,8 +774,8 @@ class PagedCache(Cache):
                                         f"or 'silu'")
         batch_size, channels, q_len = hidden_states.shape
         batch, valid = self._state_rows(layer, batch_size, q_len)
-        x = self._pack(hidden_states.detach().transpose(1, 2), valid).float()
-        weight = conv1d.weight.detach()[:, 0, :].float()
+        x = self._pack(hidden_states.detach().transpose(1, 2), valid).float().contiguous()
+        weight = conv1d.weight.detach()[:, 0, :].float().contiguous()
         bias = None if conv1d.bias is None else conv1d.bias.detach().float()
         if spec.kind == "mamba2":
             y = self._mamba2_conv(layer, batch, x, weight, bias, activation)
@@ -812,7 +812,8 @@ class PagedCache(Cache):
             raise ValueError(f"layer {layer}: a gated delta rule in a {spec.kind} layer")
         batch_size, q_len = query.shape[:2]
         batch, valid = self._state_rows(layer, batch_size, q_len)
-        rows = [self._pack(t.detach(), valid).float() for t in (query, key, value, g, beta)]
+        rows = [self._pack(t.detach(), valid).float().contiguous()
+                for t in (query, key, value, g, beta)]
         out = self.kv.gated_delta_rule(layer, batch, *rows, scale=scale, qk_l2norm=qk_l2norm,
                                        state=1)
         self._layer_done(layer, batch)
