@@ -28,6 +28,7 @@ except ImportError:  # pragma: no cover - depends on how Python was started
 
 from pagedkv.backends import available_backends
 from pagedkv.cache import PagedKVCache
+from pagedkv.state_spec import StateSpec
 from pagedkv.checkpoint import Checkpoint
 from pagedkv.step import StepBatch, WindowTables
 from pagedkv.storage import StorageFormat
@@ -39,7 +40,7 @@ from pagedkv._version import __version__  # noqa: F401  (public: pagedkv.__versi
 
 __all__ = [
     "ArgumentTypeError", "BackendUnavailableError", "Checkpoint", "OutOfPagesError",
-    "PagedKVCache", "ReentrantCallError", "SequenceKV", "StepBatch", "StorageFormat",
+    "PagedKVCache", "ReentrantCallError", "SequenceKV", "StateSpec", "StepBatch", "StorageFormat",
     "UnknownSequenceError",
     "WindowTables", "available_backends", "show_config",
 ]

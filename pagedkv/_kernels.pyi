@@ -49,3 +49,17 @@ def paged_attention(q: npt.NDArray[np.float32], k_pool: np.ndarray, v_pool: np.n
                     params: AttentionParams,
                     bias_slopes: Optional[npt.NDArray[np.float32]] = None,
                     lse: Optional[npt.NDArray[np.float32]] = None) -> None: ...
+# from _kernels_recurrent.pxi: recurrent layers' states [num_slots, *shape], advanced in place
+def gated_delta_rule(state: npt.NDArray[np.float32], query_start: npt.NDArray[np.int32],
+                     slots: npt.NDArray[np.int32], save_start: npt.NDArray[np.int32],
+                     save_rows: npt.NDArray[np.int32], save_slots: npt.NDArray[np.int32],
+                     q: npt.NDArray[np.float32], k: npt.NDArray[np.float32],
+                     v: npt.NDArray[np.float32], g: npt.NDArray[np.float32],
+                     beta: npt.NDArray[np.float32], scale: float, l2norm: bool,
+                     out: npt.NDArray[np.float32], num_threads: int) -> None: ...
+def causal_conv1d(state: npt.NDArray[np.float32], query_start: npt.NDArray[np.int32],
+                  slots: npt.NDArray[np.int32], save_start: npt.NDArray[np.int32],
+                  save_rows: npt.NDArray[np.int32], save_slots: npt.NDArray[np.int32],
+                  x: npt.NDArray[np.float32], weight: npt.NDArray[np.float32],
+                  bias: Optional[npt.NDArray[np.float32]], silu: bool,
+                  out: npt.NDArray[np.float32], num_threads: int) -> None: ...

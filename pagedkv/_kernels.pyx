@@ -765,3 +765,6 @@ cdef void merge_partials(const int32_t* items, int first, int last, int group,
         for d in range(D):
             dst[d] = dst[d] * inv
         pkv_rotate(dst, D, params.rotation_block, params.rotation_scale)
+
+
+include "_kernels_recurrent.pxi"

@@ -31,7 +31,7 @@ import numbers
 import numpy as np
 cimport cython
 cimport numpy as cnp
-from libc.stdint cimport int32_t, int64_t, uint64_t
+from libc.stdint cimport int32_t, int64_t, uint8_t, uint64_t
 from libc.string cimport memcpy
 from cpython.dict cimport PyDict_Clear
 from cpython.ref cimport PyObject
@@ -142,7 +142,7 @@ cdef class PageTables:
         return &seq.pools[pool]
 
     # -- sequences ---------------------------------------------------------------
-    def add(self, token_ids=None):
+    def add(self, token_ids=None, allowed=None):
         """Create a sequence; return its id (ids are never reused).
 
         With prefix caching and ``token_ids`` (the prompt, int32 [n]), the
@@ -150,9 +150,15 @@ cdef class PageTables:
         prompt, short of its last token, whose K/V in every other pool (what
         a query at its end sees) is cached too; ``seq_len`` tells how many
         tokens that covers.  Nothing is reserved for the rest.
+
+        ``allowed`` (uint8, indexed by a number of full pages, at least
+        ``(n - 1) // page_size + 1`` entries): the hits that what the page
+        tables do not hold can serve too (the recurrent layers' snapshots);
+        a hit of ``h`` pages needs ``allowed[h]``.  None: any.
         """
         cdef PkvSequence seq
         cdef int32_t[::1] prompt
+        cdef const uint8_t[::1] may_hit = allowed
         cdef int64_t j, hit, num_full, ps = self.page_size
         cdef int64_t parent_entry = ROOT_ENTRY
         cdef uint64_t h = ROOT_HASH
@@ -176,7 +182,11 @@ cdef class PageTables:
                 found[0].push_back(page)
                 parent_entry = self.allocator.entry_of(page)
             hit = found[0].size()
-            while hit > 0 and not self.find_cached(found, &prompt[0], hit):
+            if may_hit is not None and may_hit.shape[0] <= hit:
+                raise ValueError(f"allowed: expected at least {hit + 1} entries, "
+                                 f"got {may_hit.shape[0]}")
+            while hit > 0 and (may_hit is not None and not may_hit[hit]
+                               or not self.find_cached(found, &prompt[0], hit)):
                 hit -= 1        # another pool's K/V at that end is gone: a shorter hit
             found[0].resize(hit)
             for pool in self.pools:

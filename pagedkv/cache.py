@@ -28,6 +28,9 @@ from pagedkv.cascade import CascadeAttention, check_mode as check_cascade_mode
 from pagedkv.checkpoint import Checkpoint, CheckpointBook
 from pagedkv.errors import ArgumentTypeError
 from pagedkv.holdings import CacheHoldings
+from pagedkv import recurrent
+from pagedkv.state_pool import StatePool, StatePoolSpec
+from pagedkv.state_spec import StateSpec
 from pagedkv.step import StepBatch
 from pagedkv.storage import NAMES as _STORAGE_NAMES, storage_format
 from pagedkv import transfer
@@ -135,6 +138,28 @@ class PagedKVCache:
         and ``memory_bytes`` counts ``head_dim + v_head_dim`` values per token,
         KV head and layer.  int8 rotates rows in blocks of the largest power
         of two dividing both widths.
+    layer_states : sequence of (StateSpec or None), shape [num_layers], optional
+        Hybrid models: a :class:`pagedkv.StateSpec` makes layer ``l`` a
+        recurrent layer (gated DeltaNet, a short convolution, Mamba2), which
+        keeps a fixed-size state per sequence in the state pool instead of
+        K/V: its calls are ``causal_conv1d``, ``gated_delta_rule``,
+        ``read_states`` and ``write_states`` (``docs/hybrid.md``).  None (the
+        default for every layer) keeps attention.  ``layer_windows[l]`` must
+        be None where ``layer_states[l]`` is set.
+    num_state_slots : int, optional
+        Slots of the state pool; a slot holds one copy of every recurrent
+        layer's state.  A sequence holds one from its first tokens, up to
+        ``state_rollback_tokens`` more while it can roll back, and a prefix
+        snapshot one.  Default: ``num_pages // 16``, at least 4.
+    state_rollback_tokens : int, default 0
+        Tokens a recurrent layer can always be rolled back by: ``truncate``
+        and ``restore`` to any of a sequence's last this many lengths
+        restore its state after that token (a slot each).
+    state_snapshot_interval : int, optional
+        With prefix caching: tokens between snapshots of a sequence's
+        states (default ``16 * page_size``; a multiple of ``page_size``).  A
+        prompt starts on the longest cached prefix that every layer can
+        serve: attention pages and a snapshot at that length.
 
     Raises
     ------
@@ -168,7 +193,10 @@ class PagedKVCache:
                  num_window_pages: Optional[int] = None, window_rollback_tokens: int = 1,
                  kv_rotation: bool = True, backend_options: Optional[dict] = None,
                  cascade: str = "auto", kv_layout: str = "separate",
-                 v_head_dim: Optional[int] = None):
+                 v_head_dim: Optional[int] = None,
+                 layer_states: Optional[Sequence[Optional[StateSpec]]] = None,
+                 num_state_slots: Optional[int] = None, state_rollback_tokens: int = 0,
+                 state_snapshot_interval: Optional[int] = None):
         self._guard = Guard()
         self.num_layers = check_int("num_layers", num_layers, minimum=1)
         self.num_kv_heads = check_int("num_kv_heads", num_kv_heads, minimum=1)
@@ -210,7 +238,14 @@ class PagedKVCache:
             check_int("num_window_pages", num_window_pages, minimum=1, maximum=2**31 - 1)
         rollback = check_int("window_rollback_tokens", window_rollback_tokens, minimum=1,
                              maximum=2**31 - 1)
-        pools = pool_specs(self.layer_windows, num_pages, num_window_pages, rollback)
+        state_spec = self._state_pool_spec(layer_states, num_pages, num_state_slots,
+                                           state_rollback_tokens, state_snapshot_interval,
+                                           enable_prefix_caching)
+        #: Each layer's StateSpec (a recurrent layer) or None (attention).
+        self.layer_states = state_spec.layer_states
+        recurrent_layers = state_spec.layers
+        pools = pool_specs(self.layer_windows, num_pages, num_window_pages, rollback,
+                           recurrent_layers)
         layer_pages = [0] * self.num_layers
         for pool in pools:
             for layer in pool.layers:
@@ -219,15 +254,22 @@ class PagedKVCache:
         per_page = _ALLOCATOR_BYTES_PER_PAGE + enable_prefix_caching * self.page_size \
             * _ALLOCATOR_BYTES_PER_CACHED_TOKEN
         check_fits(page_bytes * sum(layer_pages)
-                   + per_page * sum(pool.num_pages for pool in pools),
+                   + per_page * sum(pool.num_pages for pool in pools)
+                   + state_spec.num_slots * state_spec.slot_bytes,
                    f"num_pages: {num_pages} pages of {self.num_layers} layers"
-                   + "".join(f" and {pool.num_pages} {pool.name} pages" for pool in pools[1:]))
+                   + "".join(f" and {pool.num_pages} {pool.name} pages" for pool in pools[1:])
+                   + (f" and {state_spec.num_slots} state slots" if recurrent_layers else ""))
         self.backend = resolve_backend(backend)
         self._backend = backend_class(self.backend)(
             num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, layer_pages=layer_pages,
             page_size=self.page_size, storage=self.storage, device=device,
             options=backend_options)
         self._attend = CascadeAttention(self._backend, enabled=self.cascade == "auto")
+        self._states = StatePool(state_spec, self._backend.state_store(
+            state_spec.shapes, state_spec.num_slots), enable_prefix_caching) \
+            if recurrent_layers else None
+        # a step's pages join the prefix cache once these layers are stored
+        self._num_kv_layers = self.num_layers - len(recurrent_layers)
         self.prefix_caching = enable_prefix_caching
         self._tables, self._pools = page_tables_of(
             pools, [PageAllocator(pool.num_pages, self.page_size, enable_prefix_caching)
@@ -251,7 +293,8 @@ class PagedKVCache:
             max_seq_len=self.max_seq_len,
             prefix_caching=self.prefix_caching, tables=self._tables,
             placement=self._placement, chains=PrefixChains(self._tables), pools=self._pools,
-            layer_pool=self._layer_pool, backend=self._backend, swapped=self._swapped)
+            layer_pool=self._layer_pool, backend=self._backend, swapped=self._swapped,
+            states=self._states)
 
     def __copy__(self):
         raise TypeError("PagedKVCache cannot be copied: two facades over one page table "
@@ -284,6 +327,40 @@ class PagedKVCache:
                 w = min(w, MAX_WINDOW)
             windows.append(w)
         return tuple(windows)
+
+    def _state_pool_spec(self, layer_states, num_pages, num_state_slots, rollback, interval,
+                         prefix_caching):
+        """The state pool's spec from the constructor's state arguments, checked."""
+        if layer_states is None:
+            layer_states = (None,) * self.num_layers
+        if not isinstance(layer_states, (list, tuple)):
+            raise ArgumentTypeError(f"layer_states: expected a list or tuple of "
+                                    f"{self.num_layers} entries (None or a StateSpec), got "
+                                    f"{type(layer_states).__name__}")
+        if len(layer_states) != self.num_layers:
+            raise ValueError(f"layer_states: expected {self.num_layers} entries (one per "
+                             f"layer), got {len(layer_states)}")
+        for layer, spec in enumerate(layer_states):
+            if spec is not None and not isinstance(spec, StateSpec):
+                raise ArgumentTypeError(f"layer_states[{layer}]: expected None or a "
+                                        f"pagedkv.StateSpec, got {type(spec).__name__}")
+            if spec is not None and self.layer_windows[layer] is not None:
+                raise ValueError(f"layer_states[{layer}]: layer {layer} has a sliding window "
+                                 f"(layer_windows[{layer}]={self.layer_windows[layer]}); a "
+                                 f"recurrent layer keeps no K/V, so its window must be None")
+        num_state_slots = max(4, num_pages // 16) if num_state_slots is None else \
+            check_int("num_state_slots", num_state_slots, minimum=1, maximum=2**31 - 1)
+        rollback = check_int("state_rollback_tokens", rollback, minimum=0, maximum=2**31 - 1)
+        if interval is None:
+            interval = 16 * self.page_size
+        else:
+            interval = check_int("state_snapshot_interval", interval, minimum=1,
+                                 maximum=2**31 - 1)
+            if interval % self.page_size:
+                raise ValueError(f"state_snapshot_interval: expected a multiple of "
+                                 f"page_size={self.page_size}, got {interval}")
+        return StatePoolSpec(num_state_slots, tuple(layer_states), rollback,
+                             interval if prefix_caching else None)
 
     def _check_layout(self, kv_layout):
         """``kv_layout``, checked (and ``num_kv_heads`` against it)."""
@@ -348,8 +425,23 @@ class PagedKVCache:
     @property
     def memory_bytes(self) -> int:
         """Bytes of K/V page storage (all layers, K and V, both pools; latent:
-        ``head_dim`` values, and int8 one scale, per token per layer)."""
-        return self._backend.memory_bytes
+        ``head_dim`` values, and int8 one scale, per token per layer) and of
+        the state pool (every slot of every recurrent layer's arrays)."""
+        states = self._states.store.memory_bytes if self._states is not None else 0
+        return self._backend.memory_bytes + states
+
+    @property
+    @exclusive
+    def num_state_slots(self) -> int:
+        """Slots in the state pool (0 when no layer is recurrent)."""
+        return self._states.num_slots if self._states is not None else 0
+
+    @property
+    @exclusive
+    def num_free_state_slots(self) -> int:
+        """State slots an ``append`` can take now: free ones and those of prefix
+        snapshots no sequence uses (0 when no layer is recurrent)."""
+        return self._states.num_free if self._states is not None else 0
 
     @exclusive
     def page_count(self, seq_id: int) -> int:
@@ -406,15 +498,30 @@ class PagedKVCache:
         TypeError
             ``prefix_hash`` returned something other than an int; nothing changed.
         """
-        if token_ids is None:
-            return self._tables.add()
-        tokens = _check_token_ids("token_ids", token_ids)
-        return self._tables.add(tokens if self.prefix_caching else None)
+        tokens = None if token_ids is None else _check_token_ids("token_ids", token_ids)
+        if not self.prefix_caching:
+            tokens = None
+        states = self._states
+        if states is None:
+            return self._tables.add(tokens)
+        digests = allowed = None
+        if tokens is not None:
+            # a hit must also end where a state snapshot is
+            digests = states.prompt_digests(tokens)
+            allowed = states.allowed_hits(digests, self.page_size)
+        seq_id = self._tables.add(tokens) if allowed is None else \
+            self._tables.add(tokens, allowed)
+        states.start(seq_id, self._tables.seq_len(seq_id), digests)
+        return seq_id
 
     @exclusive
     def fork(self, seq_id: int) -> int:
-        """A new sequence sharing every page of ``seq_id``; copies happen on divergent writes."""
-        return self._tables.fork(seq_id)
+        """A new sequence sharing every page (and recurrent state) of ``seq_id``;
+        copies happen on divergent writes."""
+        child = self._tables.fork(seq_id)
+        if self._states is not None:
+            self._states.fork(int(seq_id), child)
+        return child
 
     @exclusive
     def free(self, seq_id: int) -> None:
@@ -423,6 +530,8 @@ class PagedKVCache:
         # one call that raises before it changes anything, and drops the
         # sequence from the facade's records too
         self._tables.free(seq_id, (self._swapped, self._checkpoints._stamps))
+        if self._states is not None:
+            self._states.free(int(seq_id))
         self._generation += 1
 
     @exclusive
@@ -447,7 +556,11 @@ class PagedKVCache:
         length = self._tables.seq_len(seq_id)
         new_len = check_int("new_len", new_len, minimum=0, maximum=length)
         voided = self._checkpoints.beyond(int(seq_id), new_len)   # (changes nothing)
+        if self._states is not None:
+            self._states.check_truncate(int(seq_id), new_len, length)
         self._tables.truncate(seq_id, new_len)     # raises before it changes anything
+        if self._states is not None:
+            self._states.truncate(int(seq_id), new_len)
         # from here on no Python-level call, so nothing can raise in between
         self._generation += 1
         for stamp in voided:
@@ -489,6 +602,8 @@ class PagedKVCache:
     def clear(self) -> None:
         """Free every sequence."""
         self._tables.clear((self._swapped, self._checkpoints._stamps))
+        if self._states is not None:
+            self._states.clear()
         self._generation += 1
 
     # -- one step ------------------------------------------------------------------
@@ -516,12 +631,20 @@ class PagedKVCache:
         Raises
         ------
         OutOfPagesError
-            Not enough free pages; nothing changed.
+            Not enough free pages (or state slots); nothing changed.
         """
         ids = check_int_vector("seq_ids", seq_ids)
         counts = check_int_vector("num_new_tokens", num_new_tokens, length=len(ids), minimum=0)
         tokens = None if token_ids is None else \
             _check_token_ids("token_ids", token_ids, length=int(counts.sum()))
+        state_plan = None
+        if self._states is not None:
+            # planned before the tables commit (it raises with nothing changed),
+            # committed after everything else
+            state_plan = self._states.plan(
+                ids, counts, [self._tables.seq_len(s) for s in ids.tolist()],
+                self._tables.known_tokens if self.prefix_caching else None,
+                tokens if self.prefix_caching else None)
         t = None
         try:
             t = self._tables.append(ids, counts, self.max_seq_len,
@@ -536,6 +659,10 @@ class PagedKVCache:
                 copy_src, copy_dst = pool.copies(t)
                 if len(copy_src):
                     self._backend.copy_pages(copy_src, copy_dst, pool.layers)
+            if state_plan is not None:
+                batch._state_step = self._states.commit(state_plan)   # type: ignore[union-attr]
+            if not self._num_kv_layers and self._tables.has_open_step:
+                self._tables.close_step()       # no K/V to store: its pages are complete
         except BaseException:
             # whatever failed after the tables committed (an interrupt, a device
             # error, MemoryError): nothing of this step stays
@@ -544,6 +671,11 @@ class PagedKVCache:
             raise
         self._generation += 1
         return batch
+
+    def _check_kv_layer(self, layer):
+        if self.layer_states[layer] is not None:
+            raise ValueError(f"layer: layer {layer} is a recurrent layer (layer_states[{layer}] "
+                             f"is set); it keeps states, not K/V")
 
     def _check_step(self, layer, batch):
         layer = check_int("layer", layer, minimum=0, maximum=self.num_layers - 1)
@@ -581,6 +713,7 @@ class PagedKVCache:
             are the first ``v_head_dim`` columns of ``k``).
         """
         layer = self._check_step(layer, batch)
+        self._check_kv_layer(layer)
         shape = (batch.num_tokens, self.num_kv_heads, self.head_dim)
         native = self._backend.array_types
         if self.kv_layout == "latent" and v is not None:
@@ -594,7 +727,7 @@ class PagedKVCache:
             v = check_tensor("v", v, shape[:2] + (self.v_head_dim,), native_types=native)
         self._backend.store(layer, self._layer_pool[layer].step_tables(batch), k, v)
         batch._stored_layers.add(layer)
-        if len(batch._stored_layers) == self.num_layers and self._tables.has_open_step:
+        if len(batch._stored_layers) == self._num_kv_layers and self._tables.has_open_step:
             self._tables.close_step()
 
     @exclusive
@@ -664,6 +797,7 @@ class PagedKVCache:
             ``max_seq_len``); the message names the argument.  Nothing changes.
         """
         layer = self._check_step(layer, batch)
+        self._check_kv_layer(layer)
         as_torch = is_torch_tensor(q)
         q = check_tensor("q", q, (batch.num_tokens, None, self.head_dim),
                          native_types=self._backend.array_types)
@@ -698,6 +832,144 @@ class PagedKVCache:
         values = self._backend.leading_columns(out, self.v_head_dim)
         return sys.modules["torch"].from_numpy(values) if as_torch else values
 
+    # -- recurrent layers ----------------------------------------------------------
+    def _state_call(self, layer, batch):
+        """The checked layer of a state call on ``batch``, and the state pool."""
+        layer = self._check_step(layer, batch)
+        recurrent.layer_spec(self.layer_states, layer)
+        return layer, self._states
+
+    @exclusive
+    def causal_conv1d(self, layer: int, batch: StepBatch, x: Any, weight: Any, bias: Any = None,
+                      activation: Optional[str] = None, state: int = 0) -> Any:
+        """A short causal convolution over the step's new rows, each sequence's rows
+        continuing its own input history (state array ``state`` of ``layer``).
+
+        For sequence ``b``'s new row ``t`` and channel ``c``::
+
+            y[t, c] = act(bias[c] + sum_j weight[c, j] * u[t + j - kernel + 1, c])
+
+        where ``u`` is the sequence's earlier inputs (the state holds the last
+        ``kernel - 1``, zeros at first) followed by its new rows.  The state
+        then holds its last ``kernel - 1`` inputs, oldest first.
+
+        Parameters
+        ----------
+        layer : int
+            A recurrent layer whose state array ``state`` has shape
+            ``[channels, kernel - 1]``.
+        batch : StepBatch
+        x : array, shape [total_new, channels], float
+            numpy, torch CPU tensors, or the backend's device arrays (opencl:
+            a float32 ``pyopencl.array.Array``).
+        weight : array-like, shape [channels, kernel], float
+        bias : array-like, shape [channels], float, optional
+        activation : {None, "silu"}
+        state : int, default 0
+            Which of the layer's state arrays.
+
+        Returns
+        -------
+        y : shape [total_new, channels], float32
+            Of ``x``'s kind.
+
+        Raises
+        ------
+        ValueError
+            An attention layer, a state array of another shape, a bad shape or
+            activation, or the array already advanced this step; nothing changes.
+        """
+        layer, states = self._state_call(layer, batch)
+        return recurrent.causal_conv1d(self._backend, states, layer, batch, x, weight, bias,
+                                       activation, state)
+
+    @exclusive
+    def gated_delta_rule(self, layer: int, batch: StepBatch, q: Any, k: Any, v: Any, g: Any,
+                         beta: Any, scale: Optional[float] = None, qk_l2norm: bool = False,
+                         state: int = 1) -> Any:
+        """The gated delta rule (gated DeltaNet: Qwen3.5, Qwen3-Next) over the step's
+        new rows, each sequence continuing its own state (array ``state`` of ``layer``,
+        ``S`` of shape ``[num_v_heads, k_dim, v_dim]``).
+
+        Per sequence, token by token, for v-head ``h`` (k-head ``h // (num_v_heads
+        // num_k_heads)``): with ``qk_l2norm``, ``q_t`` and ``k_t`` are first
+        L2-normalised per head (eps 1e-6); then ``S *= exp(g[t, h])``; ``S +=
+        outer(k_t, beta[t, h] * (v_t - S^T k_t))``; ``o[t, h] = S^T (scale * q_t)``
+        (transformers' ``torch_recurrent_gated_delta_rule``).  Long runs of a
+        sequence's rows use the chunked form, equal within float32 rounding.
+
+        Parameters
+        ----------
+        q, k : array, shape [total_new, num_k_heads, k_dim], float
+        v : array, shape [total_new, num_v_heads, v_dim], float
+        g, beta : array, shape [total_new, num_v_heads], float
+            The decay's log (``S *= exp(g)``) and the write strength.
+        scale : float, default ``k_dim ** -0.5``
+        qk_l2norm : bool, default False
+        state : int, default 1
+            Which of the layer's state arrays.
+
+        Returns
+        -------
+        o : shape [total_new, num_v_heads, v_dim], float32
+            Of ``q``'s kind (numpy, torch, or the backend's device arrays).
+
+        Raises
+        ------
+        ValueError
+            As ``causal_conv1d``; ``num_k_heads`` must divide ``num_v_heads``.
+        """
+        layer, states = self._state_call(layer, batch)
+        return recurrent.gated_delta_rule(self._backend, states, layer, batch, q, k, v, g,
+                                          beta, scale, qk_l2norm, state)
+
+    @exclusive
+    def read_states(self, layer: int, batch: StepBatch) -> Tuple[np.ndarray, ...]:
+        """The states of the step's sequences before the step, to run another
+        recurrence (Mamba2) outside the cache.
+
+        Returns
+        -------
+        tuple of ndarray
+            Per state array of the layer, ``[B, *shape]`` float32 (zeros for a
+            sequence without a state yet).
+
+        Raises
+        ------
+        ValueError
+            An attention layer, or the layer already advanced this step.
+        """
+        layer, states = self._state_call(layer, batch)
+        return recurrent.read_states(states, layer, batch)
+
+    @exclusive
+    def write_states(self, layer: int, batch: StepBatch, states: Sequence[Any]) -> None:
+        """Write the states after the step (what ``read_states`` gave, advanced by
+        the engine's own recurrence).
+
+        Parameters
+        ----------
+        states : tuple of array-like
+            Per state array of the layer, ``[B, *shape]``, float.  Rows of
+            sequences without new tokens this step are ignored (they keep
+            their state).  Only the step's end is kept: a later rollback into
+            the step is refused.
+        """
+        layer, pool = self._state_call(layer, batch)
+        recurrent.write_states(pool, layer, batch, states)
+
+    @exclusive
+    def read_state(self, layer: int, seq_id: int) -> Tuple[np.ndarray, ...]:
+        """The sequence's state arrays of a recurrent layer now, after its last
+        token; a tuple of float32 copies of the layer's shapes (zeros while it
+        has no state)."""
+        layer = check_int("layer", layer, minimum=0, maximum=self.num_layers - 1)
+        recurrent.layer_spec(self.layer_states, layer)
+        self._tables.seq_len(seq_id)                # an unknown or swapped id raises
+        if self._tables.is_swapped(seq_id):
+            raise ValueError(f"seq_id: sequence {seq_id} is swapped out (swap_in first)")
+        return recurrent.read_state(self._states, layer, int(seq_id))  # type: ignore[arg-type]
+
     # -- prefix cache ------------------------------------------------------------------
     @exclusive
     def stats(self) -> Dict[str, Union[int, float]]:
@@ -716,7 +988,10 @@ class PagedKVCache:
             ``num_used_window_pages``, ``num_shared_window_pages``,
             ``num_cached_window_pages``, ``num_window_evictions``;
             ``num_swapped_sequences`` and ``swapped_bytes`` (their K/V waiting
-            in host memory, see ``swap_out``).
+            in host memory, see ``swap_out``); with recurrent layers,
+            ``num_free_state_slots``, ``num_used_state_slots``,
+            ``num_shared_state_slots``, ``num_cached_state_slots`` (prefix
+            snapshots no sequence uses: evictable) and ``num_state_evictions``.
         """
         prompt = self._tables.num_prompt_tokens
         stats: Dict[str, Union[int, float]] = {}
@@ -727,6 +1002,8 @@ class PagedKVCache:
                 stats["prefix_hit_rate"] = self._tables.num_reused_tokens / prompt \
                     if prompt else 0.0
             stats[f"num_{prefix}evictions"] = int(pool.allocator.num_evictions)
+        if self._states is not None:
+            stats.update(self._states.stats())
         stats["num_swapped_sequences"] = len(self._swapped)
         stats["swapped_bytes"] = sum(kv.nbytes for kv in self._swapped.values())
         return stats
@@ -741,8 +1018,10 @@ class PagedKVCache:
 
     @exclusive
     def reset_prefix_cache(self) -> int:
-        """Drop every cached page that no sequence uses (both pools); return how many."""
-        return sum(pool.allocator.reset_prefix_cache() for pool in self._pools)
+        """Drop every cached page (and state snapshot) that no sequence uses; return
+        how many pages and snapshots."""
+        dropped = sum(pool.allocator.reset_prefix_cache() for pool in self._pools)
+        return dropped + (self._states.reset_snapshots() if self._states is not None else 0)
 
     # -- reading back ----------------------------------------------------------------
     @exclusive
@@ -759,6 +1038,7 @@ class PagedKVCache:
             ``kv_layout="latent"``: ``k[..., :v_head_dim]`` (a view).
         """
         layer = check_int("layer", layer, minimum=0, maximum=self.num_layers - 1)
+        self._check_kv_layer(layer)
         length = self._tables.seq_len(seq_id)
         start = check_int("start", start, minimum=0, maximum=length)
         return self._gathered(layer, self._slots(layer, seq_id, start, length, "start"))
@@ -791,6 +1071,7 @@ class PagedKVCache:
         v : ndarray, shape [num_kv_heads, v_head_dim], float32
         """
         layer = check_int("layer", layer, minimum=0, maximum=self.num_layers - 1)
+        self._check_kv_layer(layer)
         length = self._tables.seq_len(seq_id)
         pos = check_int("pos", pos, minimum=0, maximum=length - 1)
         k, v = self._gathered(layer, self._slots(layer, seq_id, pos, pos + 1, "pos"))

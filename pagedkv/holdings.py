@@ -21,6 +21,7 @@ if TYPE_CHECKING:   # annotations only (transfer imports this module)
     from pagedkv._placement import Placement
     from pagedkv._prefix_chains import PrefixChains
     from pagedkv.backends.base import Backend
+    from pagedkv.state_pool import StatePool
     from pagedkv.transfer import SequenceKV
 
 
@@ -60,6 +61,8 @@ class CacheHoldings:
     swapped : dict of int to SequenceKV
         Swapped-out sequences' K/V in host memory, by sequence id (the cache's
         own dict: swapping and freeing change it).
+    states : StatePool or None
+        The recurrent layers' state pool; None when no layer is recurrent.
     """
     num_layers: int
     num_kv_heads: int
@@ -80,6 +83,12 @@ class CacheHoldings:
     layer_pool: Tuple[PoolManager, ...]
     backend: "Backend"
     swapped: Dict[int, "SequenceKV"]
+    states: "Optional[StatePool]" = None
+
+    @property
+    def recurrent_layers(self) -> Tuple[int, ...]:
+        """The layers that keep states instead of K/V, ascending."""
+        return () if self.states is None else self.states.layers
 
     @property
     def full_pool(self) -> PoolManager:

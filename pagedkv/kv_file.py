@@ -24,7 +24,15 @@ are in the configuration, and a file without them is of the separate layout):
   ``.has_window`` ``[N]`` uint8: the cached pages, parents first;
   ``prefix_cache.k.{l}`` etc.: their rows, ``page_size`` per page, for
   every page in a full-attention layer and for the pages with
-  ``has_window`` in a windowed one.
+  ``has_window`` in a windowed one;
+* hybrid models (``layer_states`` in the configuration: per layer None or
+  its state arrays' shapes): ``sequence.{i}.state.{l}.{j}``, state array
+  ``j`` of recurrent layer ``l`` after sequence ``i``'s last token (float32;
+  a recurrent layer has no K/V rows), and the prefix snapshots:
+  ``state_snapshots.digests`` ``[S, 32]`` uint8 (the token prefix's digest,
+  :func:`pagedkv.state_pool.prefix_hasher`), ``.positions`` ``[S]`` int64 and
+  ``state_snapshots.{l}.{j}`` ``[S, *shape]`` float32.  A file without
+  ``layer_states`` has no recurrent layer.
 
 ``load`` reads and checks the whole file before it changes anything, then
 reserves and writes the cached pages (re-cut to its own page size when
@@ -52,9 +60,11 @@ FORMAT_VERSION = "1"
 _CHECKSUM = "crc32"
 _CONFIGURATION = ("num_layers", "num_kv_heads", "head_dim", "num_pages", "page_size", "dtype",
                   "max_seq_len", "enable_prefix_caching", "layer_windows", "num_window_pages",
-                  "window_rollback_tokens", "kv_rotation", "kv_layout", "v_head_dim")
+                  "window_rollback_tokens", "kv_rotation", "kv_layout", "v_head_dim",
+                  "layer_states")
 #: What a file written before a configuration entry existed stands for.
-_CONFIGURATION_BEFORE: Dict[str, Any] = {"kv_layout": "separate", "v_head_dim": None}
+_CONFIGURATION_BEFORE: Dict[str, Any] = {"kv_layout": "separate", "v_head_dim": None,
+                                         "layer_states": None}
 
 
 class _FileError(ValueError):
@@ -98,7 +108,37 @@ def _configuration(holdings: CacheHoldings) -> Dict[str, Any]:
             if window_pool is not None else None,
             "window_rollback_tokens": holdings.window_rollback_tokens,
             "kv_rotation": holdings.kv_rotation, "kv_layout": holdings.kv_layout,
-            "v_head_dim": holdings.v_head_dim}
+            "v_head_dim": holdings.v_head_dim, "layer_states": _state_shapes(holdings)}
+
+
+def _state_shapes(holdings: CacheHoldings) -> Optional[List[Any]]:
+    """Per layer, None or its state arrays' shapes (lists); None without recurrent layers."""
+    if holdings.states is None:
+        return None
+    return [None if shapes is None else [list(shape) for shape in shapes]
+            for shapes in holdings.states.spec.shapes]
+
+
+def _state_tensors(prefix, states):
+    """``{prefix}.{l}.{j}`` for per-layer state arrays (None for attention layers)."""
+    return {f"{prefix}.{layer}.{j}": array for layer, arrays in enumerate(states or ())
+            for j, array in enumerate(arrays or ())}
+
+
+def _export_snapshots(holdings: CacheHoldings) -> Dict[str, np.ndarray]:
+    """The state pool's usable prefix snapshots as tensors (none: {})."""
+    snapshots = holdings.states.snapshots() if holdings.states is not None else []
+    if not snapshots:
+        return {}
+    slots = np.array([slot for _, _, slot in snapshots], np.int32)
+    tensors = {"state_snapshots.digests": np.frombuffer(
+                   b"".join(d for d, _, _ in snapshots), np.uint8).reshape(-1, 32).copy(),
+               "state_snapshots.positions": np.array([p for _, p, _ in snapshots], np.int64)}
+    for layer, shapes in enumerate(holdings.states.spec.shapes):   # type: ignore[union-attr]
+        for j in range(len(shapes or ())):
+            tensors[f"state_snapshots.{layer}.{j}"] = \
+                holdings.states.store.read(layer, j, slots)         # type: ignore[union-attr]
+    return tensors
 
 
 def _row_tensors(prefix, rows_of_layers):
@@ -124,7 +164,9 @@ def _export_chains(holdings: CacheHoldings) -> Tuple[Dict[str, np.ndarray], Dict
     offsets = np.arange(ps, dtype=np.int64)
     slots = [(held[held >= 0][:, None].astype(np.int64) * ps + offsets).ravel()
              for held in pages]
-    rows = [holdings.backend.read_rows(layer, slots[pool.index])
+    recurrent = holdings.recurrent_layers    # no K/V rows
+    rows = [holdings.backend.read_rows(layer, slots[pool.index][:0] if layer in recurrent
+                                       else slots[pool.index])
             for layer, pool in enumerate(holdings.layer_pool)]
     tensors = {"prefix_cache.token_ids": np.ascontiguousarray(chains["tokens"]),
                "prefix_cache.parents": chains["parents"],
@@ -173,12 +215,14 @@ def save(holdings: CacheHoldings, path: Any, seq_ids: Optional[Sequence[int]] = 
                                                       for layer in range(kv.num_layers)]))
         if kv.token_ids is not None:
             tensors[f"sequence.{i}.token_ids"] = kv.token_ids
+        tensors.update(_state_tensors(f"sequence.{i}.state", kv.states))
         sequences.append({"num_tokens": kv.num_tokens, "layer_start": list(kv.layer_start),
                           "token_ids": kv.token_ids is not None})
     chains = {"num_pages": 0, "num_window_pages": 0}
     if holdings.prefix_caching:
         chain_tensors, chains = _export_chains(holdings)
         tensors.update(chain_tensors)
+        tensors.update(_export_snapshots(holdings))
     metadata = {name: json.dumps(value) for name, value in _configuration(holdings).items()}
     metadata.update(pagedkv_format_version=FORMAT_VERSION,
                     rotation_block=json.dumps(holdings.storage.rotation_block),
@@ -344,13 +388,52 @@ class _Contents:
             raise _FileError(path, f"layer_windows: expected a list of {config['num_layers']} "
                                    f"entries in its metadata")
         self.windowed = [w is not None for w in windows]
+        self.state_shapes = self._state_shapes(config["layer_states"])
         rotation = _json(path, metadata, "rotation_block")
         self._tensors = dict(tensors)
         self.sequences = [self._sequence(i, entry, rotation)
                           for i, entry in enumerate(self._list(metadata, "sequences"))]
         self.chains = self._chains(_json(path, metadata, "prefix_cache"), rotation)
+        self.snapshots = self._snapshots()
         if self._tensors:
             raise _FileError(path, f"unexpected tensors {sorted(self._tensors)[:5]}")
+
+    def _state_shapes(self, layer_states):
+        """Per layer, None or its state arrays' shapes (tuples); the file's
+        ``layer_states`` checked (None: no recurrent layer)."""
+        num_layers = self.config["num_layers"]
+        if layer_states is None:
+            return (None,) * num_layers
+
+        def shape_ok(shape):
+            return isinstance(shape, list) and all(
+                isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**31 for d in shape)
+        if not isinstance(layer_states, list) or len(layer_states) != num_layers or not all(
+                entry is None or isinstance(entry, list) and entry and all(map(shape_ok, entry))
+                for entry in layer_states):
+            raise _FileError(self.path, f"layer_states: expected a list of {num_layers} entries "
+                                        f"(None or a list of shapes) in its metadata, got "
+                                        f"{_shown(layer_states)}")
+        return tuple(None if entry is None else tuple(tuple(shape) for shape in entry)
+                     for entry in layer_states)
+
+    def _states(self, prefix, count):
+        """Per layer, None or its state arrays ``{prefix}.{l}.{j}``, each ``count``
+        rows of the shape (``count`` None: one array of the shape)."""
+        lead = () if count is None else (count,)
+        return tuple(None if shapes is None else tuple(
+            self._take(f"{prefix}.{layer}.{j}", np.float32, lead + shape)
+            for j, shape in enumerate(shapes)) for layer, shapes in enumerate(self.state_shapes))
+
+    def _snapshots(self):
+        """The prefix snapshots: (digests [S, 32], positions [S], per-layer states)."""
+        if "state_snapshots.positions" not in self._tensors:
+            return None
+        positions = self._tensors["state_snapshots.positions"]
+        count = positions.shape[0] if positions.ndim == 1 else -1
+        digests = self._take("state_snapshots.digests", np.uint8, (count, 32))
+        positions = self._take("state_snapshots.positions", np.int64, (count,))
+        return digests, positions, self._states("state_snapshots", count)
 
     def _list(self, metadata, key):
         value = _json(self.path, metadata, key)
@@ -408,12 +491,15 @@ class _Contents:
         rows = self._rows(f"sequence.{i}", [num_tokens - s for s in starts], storage)
         tokens = self._take(f"sequence.{i}.token_ids", np.int32, (num_tokens,)) \
             if entry.get("token_ids") else None
+        has_states = any(shapes is not None for shapes in self.state_shapes)
+        states = self._states(f"sequence.{i}.state", None) if has_states else None
         kv = transfer.SequenceKV(
             num_tokens=num_tokens, num_kv_heads=self.config["num_kv_heads"],
             head_dim=self.config["head_dim"], dtype=storage.name,
             rotation_block=storage.rotation_block, layer_start=tuple(starts),
             **transfer.layer_arrays(storage, rows), token_ids=tokens,
-            kv_layout=self.config["kv_layout"], v_head_dim=self.config["v_head_dim"])
+            kv_layout=self.config["kv_layout"], v_head_dim=self.config["v_head_dim"],
+            states=states)
         try:
             return kv.check(f"sequences[{i}]")
         except ValueError as exc:
@@ -449,7 +535,9 @@ class _Contents:
         if int(chains.has_window.sum()) != n_window:
             raise _FileError(self.path, f"prefix_cache.has_window: expected {n_window} pages "
                                         f"with window K/V, got {int(chains.has_window.sum())}")
-        rows = self._rows("prefix_cache", [(n_window if w else n) * ps for w in self.windowed],
+        rows = self._rows("prefix_cache", [0 if shapes is not None else
+                                           (n_window if w else n) * ps
+                                           for w, shapes in zip(self.windowed, self.state_shapes)],
                           chains.storage)
         return chains._replace(rows=tuple(rows))
 
@@ -462,6 +550,18 @@ def load(holdings: CacheHoldings, path: Any) -> List[int]:
         if contents.config[key] != getattr(holdings, key):
             raise _FileError(path, f"{key}: the file's K/V have {key}={contents.config[key]}, "
                                    f"this cache {getattr(holdings, key)}")
+    shapes = holdings.states.spec.shapes if holdings.states is not None \
+        else (None,) * holdings.num_layers
+    if contents.state_shapes != shapes:
+        raise _FileError(path, f"layer_states: the file's layers keep states of shapes "
+                               f"{_shown(contents.state_shapes)}, this cache's "
+                               f"{_shown(shapes)}")
+    if holdings.states is not None:
+        needed = sum(1 for kv in contents.sequences if kv.num_tokens)
+        if needed > holdings.states.num_free:
+            raise OutOfPagesError(f"load: {path}: its sequences need {needed} slots of the "
+                                  f"state pool, {holdings.states.num_free} of "
+                                  f"{holdings.states.num_slots} free")
     starts = []
     for i, kv in enumerate(contents.sequences):
         try:
@@ -498,4 +598,12 @@ def load(holdings: CacheHoldings, path: Any) -> List[int]:
         holdings.chains.undo()
         raise
     holdings.chains.commit()
+    if contents.snapshots is not None and holdings.states is not None:
+        digests, positions, states = contents.snapshots
+        # after the sequences (which must fit); snapshots take the slots left
+        for k in range(len(positions)):
+            holdings.states.add_snapshot(
+                digests[k].tobytes(), tuple(None if arrays is None else
+                                            tuple(a[k] for a in arrays) for arrays in states),
+                int(positions[k]))
     return ids

@@ -9,6 +9,9 @@ attention type and is described by a frozen :class:`PoolSpec` (as vLLM's
   its layers); a sequence gives back the pages no later query can see,
   keeping what a rollback of up to ``rollback`` tokens needs.
 
+The recurrent layers of a hybrid model keep fixed-size states instead, in
+the state pool: its spec and manager are :mod:`pagedkv.state_pool`'s.
+
 A pool's :class:`PoolManager` (one class per attention type, in
 ``MANAGERS``) turns its spec into the page tables' compiled
 :class:`pagedkv._pool.Pool` (the span of its queries, its rollback, how
@@ -103,11 +106,15 @@ class PoolNames:
 
 
 def pool_specs(layer_windows: Sequence[Optional[int]], num_pages: int,
-               num_window_pages: int, rollback: int) -> Tuple[PoolSpec, ...]:
+               num_window_pages: int, rollback: int,
+               recurrent: Sequence[int] = ()) -> Tuple[PoolSpec, ...]:
     """The pools of a cache whose layer ``l`` has window ``layer_windows[l]``
     (None: full attention): the full pool always (it holds every sequence's
-    length and prefix chain), the window pool when some layer is windowed."""
-    full = tuple(layer for layer, w in enumerate(layer_windows) if w is None)
+    length and prefix chain), the window pool when some layer is windowed.
+    The ``recurrent`` layers keep states, not K/V (:mod:`pagedkv.state_pool`):
+    no pool serves them."""
+    full = tuple(layer for layer, w in enumerate(layer_windows)
+                 if w is None and layer not in recurrent)
     windowed = tuple(layer for layer, w in enumerate(layer_windows) if w is not None)
     pools = [PoolSpec("full", num_pages, full)]
     if windowed:

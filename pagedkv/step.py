@@ -10,6 +10,7 @@ if TYPE_CHECKING:   # annotations only: importing them here would be circular
     from pagedkv.cache import PagedKVCache
     from pagedkv.cascade import CascadeAttention, Sharing
     from pagedkv.holdings import CacheHoldings
+    from pagedkv.state_pool import StateStep
 
 
 def _frozen(array: np.ndarray) -> np.ndarray:
@@ -118,6 +119,8 @@ class StepBatch(_ReadOnlyTables):
         self._attend = attend
         self._generation = generation
         self._stored_layers: Set[int] = set()
+        # the recurrent layers' slots and save points (StatePool.commit), if any
+        self._state_step: "Optional[StateStep]" = None
         self.window_tables: Optional[WindowTables] = None
         window_pool = holdings.window_pool
         if window_pool is not None:

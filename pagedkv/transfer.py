@@ -66,6 +66,11 @@ class SequenceKV:
         The layout of the cache it came from (``PagedKVCache(kv_layout=...)``).
     v_head_dim : int or None
         The values' width; None: ``head_dim``.
+    states : tuple or None, shape [num_layers]
+        Hybrid models: per layer, None (an attention layer) or the recurrent
+        layer's state arrays after the sequence's last token (a tuple of
+        float32 arrays of its ``StateSpec``'s shapes); a recurrent layer holds
+        no K/V (``layer_start`` is ``num_tokens``).  None: no recurrent layer.
     """
     num_tokens: int
     num_kv_heads: int
@@ -80,10 +85,11 @@ class SequenceKV:
     token_ids: Optional[np.ndarray] = None
     kv_layout: str = "separate"
     v_head_dim: Optional[int] = None
+    states: Optional[Tuple[Optional[Tuple[np.ndarray, ...]], ...]] = None
 
     def __post_init__(self):
         # sequences given as lists become the tuples a frozen object keeps
-        for name in ("layer_start", "keys", "values", "key_scales", "value_scales"):
+        for name in ("layer_start", "keys", "values", "key_scales", "value_scales", "states"):
             value = getattr(self, name)
             if isinstance(value, list):
                 object.__setattr__(self, name, tuple(value))
@@ -99,9 +105,14 @@ class SequenceKV:
             (self.value_scales or ())
 
     @property
+    def state_arrays(self) -> Tuple[np.ndarray, ...]:
+        """Every recurrent layer's state arrays, in layer order."""
+        return tuple(a for arrays in self.states or () for a in arrays or ())
+
+    @property
     def nbytes(self) -> int:
-        """Bytes of K/V held: values and scales of every layer."""
-        return sum(a.nbytes for a in self.arrays)
+        """Bytes held: K/V values and scales of every layer, and the states."""
+        return sum(a.nbytes for a in self.arrays) + sum(a.nbytes for a in self.state_arrays)
 
     @property
     def storage(self):
@@ -132,8 +143,11 @@ class SequenceKV:
             for target, source in zip(copies, self.rows(layer)):   # both None where absent
                 if target is not None:
                     target[...] = source
+        states = None if self.states is None else tuple(
+            None if arrays is None else tuple(a.copy() for a in arrays) for arrays in self.states)
         return replace(self, **layer_arrays(self.storage, rows),
-                       token_ids=None if self.token_ids is None else self.token_ids.copy())
+                       token_ids=None if self.token_ids is None else self.token_ids.copy(),
+                       states=states)
 
     def check(self, name="kv"):
         """Raise ValueError (naming the field) unless every field is consistent.
@@ -205,6 +219,10 @@ class SequenceKV:
                                      f"shape {list(shape)}, got {got}")
                 checked.append(np.require(real, requirements=("C", "A")))
             plain[field] = tuple(checked)
+        if self.states is not None and (not isinstance(self.states, tuple)
+                                        or len(self.states) != len(starts)):
+            raise ValueError(f"{name}.states: expected None or a tuple of {len(starts)} "
+                             f"entries (one per layer), got {type(self.states).__name__}")
         ids = None if self.token_ids is None else _real_array(self.token_ids)
         if self.token_ids is not None and (ids is None or ids.dtype != np.int32 or
                                            ids.shape != (self.num_tokens,)):
@@ -277,18 +295,22 @@ def export_sequence(holdings: CacheHoldings, seq_id: int, copy: bool = True) -> 
     held_from = {pool.name: pool.held_from(seq_id) for pool in holdings.pools}
     slots = {pool.name: pool.slots(seq_id, held_from[pool.name], length)
              for pool in holdings.pools}
-    layer_start = [held_from[pool.name] for pool in holdings.layer_pool]
+    recurrent = holdings.recurrent_layers     # hold states, no K/V
+    layer_start = [length if layer in recurrent else held_from[pool.name]
+                   for layer, pool in enumerate(holdings.layer_pool)]
     rows = rows_in_one_buffer(holdings.storage, [length - start for start in layer_start],
                               holdings.num_kv_heads, holdings.head_dim)
     for layer, pool in enumerate(holdings.layer_pool):
-        holdings.backend.read_rows(layer, slots[pool.name], rows[layer])
+        if layer not in recurrent:
+            holdings.backend.read_rows(layer, slots[pool.name], rows[layer])
     tokens = tables.known_tokens(seq_id) if holdings.prefix_caching else None
     return SequenceKV(
         num_tokens=length, num_kv_heads=holdings.num_kv_heads, head_dim=holdings.head_dim,
         dtype=holdings.storage.name, rotation_block=holdings.storage.rotation_block,
         layer_start=tuple(layer_start), **layer_arrays(holdings.storage, rows),
         token_ids=tokens if tokens is not None and len(tokens) == length else None,
-        kv_layout=holdings.kv_layout, v_head_dim=holdings.v_head_dim)
+        kv_layout=holdings.kv_layout, v_head_dim=holdings.v_head_dim,
+        states=None if holdings.states is None else holdings.states.export(int(seq_id)))
 
 
 def check_fits(holdings: CacheHoldings, kv: object, name: str = "kv") -> SequenceKV:
@@ -304,6 +326,17 @@ def check_fits(holdings: CacheHoldings, kv: object, name: str = "kv") -> Sequenc
             raise ValueError(f"{name}.{field}: this cache has {field}="
                              f"{getattr(holdings, field)}, the sequence's K/V "
                              f"{getattr(checked, field)}")
+    if holdings.states is not None:
+        if checked.states is None:
+            raise ValueError(f"{name}.states: this cache has recurrent layers "
+                             f"{list(holdings.recurrent_layers)}; the sequence carries no "
+                             f"states (it comes from a cache without them)")
+        checked = replace(checked, states=holdings.states.check_import(f"{name}.states",
+                                                                        checked.states))
+    elif checked.states is not None and any(s is not None for s in checked.states):
+        layer = next(i for i, s in enumerate(checked.states) if s is not None)
+        raise ValueError(f"{name}.states[{layer}]: layer {layer} is an attention layer of this "
+                         f"cache; the sequence carries a recurrent state for it")
     limit = min(holdings.max_seq_len or 2**31 - 1, 2**31 - 1)
     if checked.num_tokens > limit:
         raise ValueError(f"{name}.num_tokens: {checked.num_tokens} tokens, over this cache's "
@@ -326,8 +359,9 @@ def window_start(holdings: CacheHoldings, kv: SequenceKV, trim: bool = True) -> 
     """
     length, page_size = kv.num_tokens, holdings.page_size
     windows = holdings.layer_windows
+    recurrent = holdings.recurrent_layers
     for layer, window in enumerate(windows):
-        if window is None and kv.layer_start[layer] > 0:
+        if window is None and kv.layer_start[layer] > 0 and layer not in recurrent:
             raise ValueError(
                 f"layer_start: layer {layer} is a full-attention layer of this cache and needs "
                 f"K/V from position 0; the sequence's K/V of layer {layer} start at position "
@@ -378,8 +412,15 @@ def write_sequence(holdings: CacheHoldings, kv: SequenceKV, seq_id: int, start: 
     first = {pool.name: pool.import_start(start) for pool in holdings.pools}
     slots = {pool.name: pool.slots(seq_id, first[pool.name], kv.num_tokens)
              for pool in holdings.pools}
+    recurrent = holdings.recurrent_layers
     for layer, pool in enumerate(holdings.layer_pool):
-        write_rows(holdings, layer, slots[pool.name], kv.rows(layer, first[pool.name]), storage)
+        if layer not in recurrent:
+            write_rows(holdings, layer, slots[pool.name], kv.rows(layer, first[pool.name]),
+                       storage)
+    if holdings.states is not None:
+        assert kv.states is not None            # check_fits made sure
+        holdings.states.place(int(seq_id), kv.num_tokens, kv.states,
+                              kv.token_ids if holdings.prefix_caching else None)
 
 
 def import_sequence(holdings: CacheHoldings, kv: SequenceKV, start: Optional[int] = None) -> int:
@@ -387,6 +428,8 @@ def import_sequence(holdings: CacheHoldings, kv: SequenceKV, start: Optional[int
     already; ``start``: its :func:`window_start`, when known)."""
     first = window_start(holdings, kv) if start is None else start
     tokens = kv.token_ids if holdings.prefix_caching else None
+    if holdings.states is not None:
+        holdings.states.check_room(1 if kv.num_tokens else 0, "the sequence's state")
     placement = holdings.placement
     # the reserve inside the try, and no Python call between the write and the
     # commit (the placement's own calls are compiled): whatever raises, even an
@@ -405,10 +448,12 @@ def import_sequence(holdings: CacheHoldings, kv: SequenceKV, start: Optional[int
 def swap_out(holdings: CacheHoldings, seq_id: int) -> None:
     """``cache.swap_out``: the sequence's K/V to host memory, its pages to the pools."""
     kv = export_sequence(holdings, seq_id)
-    for array in kv.arrays + \
+    for array in kv.arrays + kv.state_arrays + \
             ((kv.token_ids,) if kv.token_ids is not None else ()):
         array.setflags(write=False)       # the cache's own: nothing may change them
     holdings.tables.swap_out(seq_id)
+    if holdings.states is not None:
+        holdings.states.free(int(seq_id))
     holdings.swapped[int(seq_id)] = kv
 
 
@@ -418,6 +463,8 @@ def swap_in(holdings: CacheHoldings, seq_id: int) -> None:
         raise ValueError(f"seq_id: sequence {seq_id} is not swapped out")
     kv = holdings.swapped[int(seq_id)]
     start = window_start(holdings, kv, trim=False)
+    if holdings.states is not None:
+        holdings.states.check_room(1 if kv.num_tokens else 0, "swap_in")
     placement = holdings.placement
     try:            # as in import_sequence
         placement.swap_in(seq_id, start // holdings.page_size, first_row=start)

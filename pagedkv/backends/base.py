@@ -215,3 +215,67 @@ class Backend(ABC):
     def write_rows(self, layer: int, slots: np.ndarray, rows: StoredRows) -> None:
         """Write rows of stored bits (from ``read_rows`` of a pool in the same format)
         at ``slots`` (int64 [n]), unconverted (import, swap)."""
+
+    # -- recurrent layers (layer_states) ----------------------------------------------
+    #
+    # A step of a recurrent layer (``step`` below) is any object with int32 numpy
+    # attributes ``query_start`` [B+1] (sequence b's rows are
+    # ``query_start[b]:query_start[b+1]``, contiguous and ascending), ``slots`` [B]
+    # (the slot sequence b's state lives in: read and advanced in place; -1 only
+    # for a sequence without rows, which is left alone), ``save_rows`` [M] and
+    # ``save_slots`` [M] (ascending by row: after global row ``save_rows[m]``, that
+    # sequence's state of the array is copied into slot ``save_slots[m]``, which
+    # is no sequence's ``slots[b]``).  Inputs are float32 C-contiguous numpy
+    # arrays, or one of ``array_types`` (then so is the result).
+
+    @abstractmethod
+    def state_store(self, shapes: Sequence[Optional[Sequence[Tuple[int, ...]]]],
+                    num_slots: int) -> Any:
+        """A new state store (:mod:`pagedkv.backends.state_store`) of ``num_slots``
+        slots: per layer of ``shapes``, None (an attention layer) or the shapes of
+        its state arrays; ``MemoryError`` naming ``num_state_slots`` if it cannot
+        be had."""
+
+    @abstractmethod
+    def causal_conv1d(self, store: Any, layer: int, index: int, step: Any, x: Any,
+                      weight: Any, bias: Any, silu: bool) -> Any:
+        """The causal depthwise convolution of the step's rows, continuing each
+        sequence's input history (state array ``index`` of ``layer``,
+        ``[channels, kernel - 1]``: the last inputs, oldest first).
+
+        Parameters
+        ----------
+        x : array, shape [total_new, channels], float32
+        weight : array, shape [channels, kernel], float32 (kernel >= 1)
+        bias : array, shape [channels], float32, or None
+        silu : bool
+            ``y / (1 + exp(-y))`` on the result.
+
+        Returns
+        -------
+        array, shape [total_new, channels], float32:
+        ``y[t, c] = act(bias[c] + sum_j weight[c, j] * u[t + j - kernel + 1, c])``.
+        """
+
+    @abstractmethod
+    def gated_delta_rule(self, store: Any, layer: int, index: int, step: Any, q: Any, k: Any,
+                         v: Any, g: Any, beta: Any, scale: float, l2norm: bool) -> Any:
+        """The gated delta rule of the step's rows, token by token, on each
+        sequence's state (array ``index`` of ``layer``, ``[num_v_heads, k_dim,
+        v_dim]``): per v-head ``h`` (k-head ``h // (num_v_heads // num_k_heads)``),
+        optionally L2-normalised q and k, then ``S *= exp(g)``;
+        ``S += outer(k, beta * (v - S^T k))``; ``o = S^T (scale * q)``.
+
+        Parameters
+        ----------
+        q, k : array, shape [total_new, num_k_heads, k_dim], float32
+        v : array, shape [total_new, num_v_heads, v_dim], float32
+        g, beta : array, shape [total_new, num_v_heads], float32
+        scale : float
+        l2norm : bool
+            ``x / sqrt(sum(x^2) + 1e-6)`` of q and k per head first.
+
+        Returns
+        -------
+        array, shape [total_new, num_v_heads, v_dim], float32
+        """

@@ -13,6 +13,7 @@ from pagedkv._cpu import kernels as _kernels
 from pagedkv.backends.base import Backend, StepTables, StoredRows, empty_rows
 from pagedkv.backends.kernel_source import variant_scalars
 from pagedkv.backends.schedule import ITEM, plan_attention
+from pagedkv.backends.state_store import HostStateStore, StateStep
 from pagedkv.cascade import CascadePolicy
 
 if TYPE_CHECKING:   # annotations only (_kernels.pyi describes every level's module)
@@ -246,6 +247,41 @@ class HostBackend(Backend):
             x = np.ascontiguousarray(x).view(pool.dtype).reshape(len(slots), self.num_kv_heads,
                                                                  pool.shape[3])
             _rows.write_rows(_as_bytes(pool), slots, _as_bytes(x))
+
+    # -- recurrent layers -------------------------------------------------------------
+    def state_store(self, shapes: Sequence[Optional[Sequence[Tuple[int, ...]]]],
+                    num_slots: int) -> HostStateStore:
+        return HostStateStore(shapes, num_slots)
+
+    def causal_conv1d(self, store: HostStateStore, layer: int, index: int, step: Any, x: Any,
+                      weight: Any, bias: Any, silu: bool) -> np.ndarray:
+        x, weight = self._host_f32(x), self._host_f32(weight)
+        out = np.empty(x.shape, np.float32)
+        s = StateStep.of(step)
+        if s.num_rows == 0:
+            return out
+        kernel = weight.shape[1]
+        # kernel 1 keeps no history: its state arrays have no elements
+        state = store.array(layer, index) if kernel > 1 else _no_scales()
+        threads = _fork_safe(_threads_for(x.size * kernel, self.num_threads))
+        _kernels.causal_conv1d(state, *s, x, weight, None if bias is None else
+                               self._host_f32(bias), bool(silu), out, threads)
+        return out
+
+    def gated_delta_rule(self, store: HostStateStore, layer: int, index: int, step: Any, q: Any,
+                         k: Any, v: Any, g: Any, beta: Any, scale: float,
+                         l2norm: bool) -> np.ndarray:
+        q, k, v = self._host_f32(q), self._host_f32(k), self._host_f32(v)
+        out = np.empty(v.shape, np.float32)
+        s = StateStep.of(step)
+        if s.num_rows == 0:
+            return out
+        # three multiply-adds per state element and token
+        threads = _fork_safe(_threads_for(3 * v.size * k.shape[2], self.num_threads))
+        _kernels.gated_delta_rule(store.array(layer, index), *s, q, k, v, self._host_f32(g),
+                                  self._host_f32(beta), float(scale), bool(l2norm), out,
+                                  threads)
+        return out
 
 
 def _no_scales() -> np.ndarray:

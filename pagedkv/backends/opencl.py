@@ -29,6 +29,7 @@ from pagedkv.backends._opencl_program import build_program
 from pagedkv.backends.base import Backend, StepTables, StoredRows, empty_rows
 from pagedkv.backends.kernel_source import variant_dtype, variant_scalars
 from pagedkv.backends.schedule import ITEM, plan_attention
+from pagedkv.backends.state_store import OpenCLStateStore
 from pagedkv.cascade import CascadePolicy
 from pagedkv.errors import ArgumentTypeError, BackendUnavailableError
 
@@ -42,6 +43,7 @@ if TYPE_CHECKING:   # annotations only: pyopencl is imported when a backend is m
     import pyopencl.array
 
     from pagedkv.backends._opencl_program import KernelCall
+    from pagedkv.backends._opencl_recurrent import OpenCLRecurrences
     from pagedkv.attention_spec import AttentionSpec, Band
     from pagedkv.storage import StorageFormat
 
@@ -249,6 +251,7 @@ class OpenCLBackend(Backend):
         #: of the last attention call (int32 arrays; merge None when it ran none)
         self.last_loop_counts: Optional[Tuple[np.ndarray, Optional[np.ndarray]]] = None
         self._pending: Optional[_PendingStore] = None
+        self._recurrences: Optional[OpenCLRecurrences] = None   # made at first use
         self._work: "Dict[str, pyopencl.Buffer]" = {}   # name -> reusable buffer (_work_buffer)
         # per layer, a buffer per pool of the format's copy set (values, and row
         # scales where the format has them), by field
@@ -824,3 +827,25 @@ class OpenCLBackend(Backend):
         for field, pool, row_bytes in self._row_buffers(layer):
             x = getattr(rows, field)
             self._rows_call(1, layer, slots_d, n, pool, row_bytes, self._upload(x))
+
+    # -- recurrent layers (opencl/recurrent.cl, via _opencl_recurrent) ------------------
+    def state_store(self, shapes: Sequence[Optional[Sequence[Tuple[int, ...]]]],
+                    num_slots: int) -> OpenCLStateStore:
+        self._check_process()
+        return OpenCLStateStore(self.context, self.queue, self.device, shapes, num_slots)
+
+    def _recurrent(self) -> "OpenCLRecurrences":
+        if self._recurrences is None:
+            from pagedkv.backends._opencl_recurrent import OpenCLRecurrences
+            self._recurrences = OpenCLRecurrences(self)
+        return self._recurrences
+
+    def causal_conv1d(self, store: OpenCLStateStore, layer: int, index: int, step: Any, x: Any,
+                      weight: Any, bias: Any, silu: bool) -> Any:
+        return self._recurrent().causal_conv1d(store, layer, index, step, x, weight, bias, silu)
+
+    def gated_delta_rule(self, store: OpenCLStateStore, layer: int, index: int, step: Any,
+                         q: Any, k: Any, v: Any, g: Any, beta: Any, scale: float,
+                         l2norm: bool) -> Any:
+        return self._recurrent().gated_delta_rule(store, layer, index, step, q, k, v, g, beta,
+                                                  scale, l2norm)

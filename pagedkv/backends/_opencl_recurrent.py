@@ -1,0 +1,141 @@
+"""The opencl backend's recurrences: launching ``opencl/recurrent.cl`` on a step.
+
+:class:`OpenCLRecurrences` belongs to one :class:`pagedkv.backends.opencl.OpenCLBackend`
+and runs on its queue: inputs go through the backend's ``_device_f32`` (numpy
+uploaded; a pyopencl array read where it is), states are the buffers of an
+:class:`pagedkv.backends.state_store.OpenCLStateStore`, and a pyopencl input
+gives a pyopencl result (numpy: numpy).  The delta-rule kernel keeps a state
+column in private memory, so its program is built per ``k_dim``
+(``-DPKV_DK``); both programs are cached per context like the others.
+"""
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
+
+import numpy as np
+
+from pagedkv.backends._opencl_program import build_program
+from pagedkv.backends.state_store import OpenCLStateStore, StateStep
+
+if TYPE_CHECKING:   # annotations only: pyopencl is imported when a backend is made
+    import pyopencl
+
+    from pagedkv.backends.opencl import OpenCLBackend
+
+# Work-items of a recurrence work-group: one per channel or state column, so
+# consecutive ones read consecutive floats of x, v and the states.
+_WORK_GROUP = 64
+
+
+class OpenCLRecurrences:
+    """``causal_conv1d`` and ``gated_delta_rule`` of one backend (see ``Backend``)."""
+
+    def __init__(self, backend: "OpenCLBackend"):
+        self.backend = backend
+        self._wg = min(_WORK_GROUP, backend.device.max_work_group_size)
+        self._step: Optional[Tuple[StateStep, Dict[str, Any]]] = None
+
+    def _kernel(self, name: str, k_dim: Optional[int] = None) -> Any:
+        options = () if k_dim is None else (f"-DPKV_DK={k_dim}",)
+        return build_program(self.backend.context, "recurrent.cl", options)[name]
+
+    def _step_buffers(self, s: StateStep) -> Dict[str, Any]:
+        """The step's arrays on the device (buffers cannot be empty: the
+        backend's placeholder stands in).  The last step's are kept: every
+        recurrent layer of a model runs the same step."""
+        if self._step is not None and all(
+                np.array_equal(a, b) for a, b in zip(self._step[0], s)):
+            return self._step[1]
+        b = self.backend
+        buffers = {name: b._upload(array) if len(array) else b._placeholder
+                   for name, array in s._asdict().items()}
+        self._step = (StateStep(*(a.copy() for a in s)), buffers)
+        return buffers
+
+    def _launch(self, kernel: Any, num_work_items: int, wait_for: List[Any],
+                **args: Any) -> "pyopencl.Event":
+        wg = self._wg
+        return kernel(self.backend.queue, (-(-num_work_items // wg) * wg,), (wg,),
+                      wait_for=wait_for, **args)
+
+    def _output(self, native: bool, shape: Tuple[int, ...]) -> Any:
+        """Where a kernel writes its result: a new pyopencl array (native inputs)
+        or the backend's reusable buffer (numpy; read back before returning)."""
+        b = self.backend
+        if native:
+            from pyopencl import array as cl_array
+            out = cl_array.empty(b.queue, shape, np.float32, allocator=b._zeros)
+            out.allocator = None    # what pyopencl makes from it later: its default buffers
+            return out
+        return b._work_buffer("recurrent_out", max(int(np.prod(shape)), 1))
+
+    def _finish(self, native: bool, out_d: Any, shape: Tuple[int, ...], event: Any,
+                inputs: Tuple[Any, ...]) -> Any:
+        """The result of a launch that ends with ``event``: the pyopencl array, or
+        a numpy copy."""
+        b = self.backend
+        if native:
+            out_d.add_event(event)
+            b._hand_back(*inputs, event=event)
+            return out_d
+        b._hand_back(*inputs, event=event)
+        result = np.empty(shape, np.float32)
+        b._cl.enqueue_copy(b.queue, result, out_d)
+        return result
+
+    def _empty_result(self, native: bool, shape: Tuple[int, ...]) -> Any:
+        if native:
+            from pyopencl import array as cl_array
+            return cl_array.zeros(self.backend.queue, shape, np.float32)
+        return np.zeros(shape, np.float32)
+
+    def causal_conv1d(self, store: OpenCLStateStore, layer: int, index: int, step: Any,
+                      x: Any, weight: Any, bias: Any, silu: bool) -> Any:
+        b = self.backend
+        b._check_process()
+        native = b.is_native(x)
+        s = StateStep.of(step)
+        num_rows, channels = x.shape
+        kernel_size = weight.shape[1]
+        if s.num_rows == 0:
+            return self._empty_result(native, tuple(x.shape))
+        x_d, wait = b._device_f32(x, "x")
+        w_d, w_wait = b._device_f32(weight, "weight")
+        bias_d, b_wait = (b._placeholder, []) if bias is None else b._device_f32(bias, "bias")
+        out_d = self._output(native, tuple(x.shape))
+        t = self._step_buffers(s)
+        event = self._launch(
+            self._kernel("causal_conv1d"), (len(s.query_start) - 1) * channels,
+            wait + w_wait + b_wait, x=x_d, weight=w_d, bias=bias_d, has_bias=int(bias is not None),
+            state=store.buffer(layer, index), query_start=t["query_start"], slots=t["slots"],
+            save_start=t["save_start"], save_rows=t["save_rows"], save_slots=t["save_slots"],
+            y=out_d, num_seqs=len(s.query_start) - 1, channels=channels,
+            kernel_size=kernel_size, silu=int(bool(silu)), num_slots=store.num_slots)
+        return self._finish(native, out_d, (num_rows, channels), event, (x, weight, bias))
+
+    def gated_delta_rule(self, store: OpenCLStateStore, layer: int, index: int, step: Any,
+                         q: Any, k: Any, v: Any, g: Any, beta: Any, scale: float,
+                         l2norm: bool) -> Any:
+        b = self.backend
+        b._check_process()
+        native = b.is_native(q)
+        s = StateStep.of(step)
+        num_rows, num_v_heads, v_dim = v.shape
+        num_k_heads, k_dim = k.shape[1], k.shape[2]
+        if s.num_rows == 0:
+            return self._empty_result(native, tuple(v.shape))
+        wait: List[Any] = []
+        device: Dict[str, Any] = {}
+        for name, array in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+            device[name], events = b._device_f32(array, name)
+            wait += events
+        out_d = self._output(native, tuple(v.shape))
+        t = self._step_buffers(s)
+        num_seqs = len(s.query_start) - 1
+        event = self._launch(
+            self._kernel("gated_delta_rule", k_dim), num_seqs * num_v_heads * v_dim, wait,
+            **device, state=store.buffer(layer, index), query_start=t["query_start"],
+            slots=t["slots"], save_start=t["save_start"], save_rows=t["save_rows"],
+            save_slots=t["save_slots"], out=out_d, num_seqs=num_seqs, num_k_heads=num_k_heads,
+            num_v_heads=num_v_heads, v_dim=v_dim, scale=float(scale), l2norm=int(bool(l2norm)),
+            num_slots=store.num_slots)
+        return self._finish(native, out_d, (num_rows, num_v_heads, v_dim), event,
+                            (q, k, v, g, beta))
