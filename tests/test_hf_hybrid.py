@@ -243,3 +243,43 @@ def test_the_hybrid_example_runs_as_written(backend, capsys):
     out = capsys.readouterr().out
     assert "same tokens as transformers' own cache: 5/5" in out, out
     assert re.search(r"[1-9]\d*% of the prompt tokens reused from the prefix cache", out), out
+
+
+def test_a_pass_that_fails_part_way_leaves_no_tokens():
+    """A pass that raises after a recurrent layer advanced its states: they are rolled
+    back with the pages (a prefill always can; a decode within ``state_rollback_tokens``),
+    or, beyond them, the rows are freed and the next pass says why."""
+    import torch
+    model = tiny_hybrid("qwen3_5")
+    prompt = PROMPTS[1]
+    expected = greedy_with_own_cache(model, prompt, NEW_TOKENS)
+    ids, mask = padded([prompt], 0, "left")
+
+    def fail(*args):
+        raise RuntimeError("a layer failed")
+
+    def failing_pass(cache, input_ids):
+        handle = model.model.layers[2].register_forward_pre_hook(fail)   # after layers 0, 1
+        try:
+            with torch.inference_mode(), pytest.raises(RuntimeError, match="a layer failed"):
+                model(input_ids=input_ids, past_key_values=cache)
+        finally:
+            handle.remove()
+
+    for rollback in (0, 1):
+        cache = paged_cache(model, "host", state_rollback_tokens=rollback)
+        failing_pass(cache, ids)                       # a prefill: back to no tokens
+        with torch.inference_mode():
+            out = model.generate(ids, attention_mask=mask, past_key_values=cache,
+                                 max_new_tokens=NEW_TOKENS, do_sample=False)
+        assert out[0, len(prompt):].tolist() == expected
+        failing_pass(cache, out[:, -1:])              # a decode token: one back
+        if rollback:
+            with torch.inference_mode():
+                model(input_ids=out[:, -1:], past_key_values=cache)
+            assert [cache.kv.seq_len(s) for s in cache.rows] == [len(prompt) + NEW_TOKENS]
+        else:
+            with torch.inference_mode(), pytest.raises(ValueError,
+                                                       match="state_rollback_tokens: a forward"):
+                model(input_ids=out[:, -1:], past_key_values=cache)
+            assert cache.rows == [] and cache.kv.seq_ids() == []

@@ -597,11 +597,29 @@ class PagedCache(Cache):
             self._step = None
 
     def _roll_back_unfinished_pass(self) -> None:
-        """A pass that stopped part way (an exception) leaves no tokens behind."""
-        if self._step is not None:
-            for seq_id, length in zip(self.rows, self._step.lengths_before):
+        """A pass that stopped part way (an exception) leaves no tokens behind.
+
+        Raises
+        ------
+        ValueError
+            A hybrid model's pass advanced some recurrent states by more tokens
+            than ``state_rollback_tokens`` can take back: the rows are freed
+            (as :meth:`reset` does), since their states no longer match.
+        """
+        step, self._step = self._step, None
+        self._mamba2_pending.clear()
+        if step is None:
+            return
+        try:
+            for seq_id, length in zip(self.rows, step.lengths_before):
                 self.kv.truncate(seq_id, length)
-            self._step = None
+        except ValueError as exc:
+            self.reset()
+            raise ValueError(
+                f"state_rollback_tokens: a forward pass stopped part way after some recurrent "
+                f"layers had advanced, and this PagedCache keeps {self.state_rollback_tokens} "
+                f"token(s) of states to roll back ({exc}); its rows were freed: start the "
+                f"generation again") from exc
 
     def _begin_padded_step(self, batch_size: int, q_len: int,
                            padding: "Optional[torch.Tensor]") -> _PaddedStep:
