@@ -290,7 +290,7 @@ class PagedCache(Cache):
             recurrent.install(spec.model_type)
             # states stay float32 whatever the K/V storage: a recurrence compounds rounding
             state_options = dict(
-                layer_states=[None if s is None else pagedkv.StateSpec(shapes=list(s.shapes),
+                layer_states=[None if s is None else pagedkv.StateSpec(shapes=s.shapes,
                                                                        dtype="float32")
                               for s in spec.layer_states],
                 num_state_slots=num_state_slots, state_rollback_tokens=state_rollback_tokens,
@@ -830,10 +830,10 @@ class PagedCache(Cache):
             raise ValueError(f"layer {layer}: a gated delta rule in a {spec.kind} layer")
         batch_size, q_len = query.shape[:2]
         batch, valid = self._state_rows(layer, batch_size, q_len)
-        rows = [self._pack(t.detach(), valid).float().contiguous()
-                for t in (query, key, value, g, beta)]
-        out = self.kv.gated_delta_rule(layer, batch, *rows, scale=scale, qk_l2norm=qk_l2norm,
-                                       state=1)
+        q, k, v, g, beta = (self._pack(t.detach(), valid).float().contiguous()
+                            for t in (query, key, value, g, beta))
+        out = self.kv.gated_delta_rule(layer, batch, q, k, v, g, beta, scale=scale,
+                                       qk_l2norm=qk_l2norm, state=1)
         self._layer_done(layer, batch)
         return self._unpack(out, valid, batch_size, q_len).to(value.dtype)
 
