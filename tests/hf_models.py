@@ -120,7 +120,8 @@ def padded(prompts, pad_id, side):
 
 # -- hybrid models (recurrent layers beside attention) -------------------------------------
 #: The hybrid families pagedkv.hf serves, as tiny random models (:func:`tiny_hybrid`).
-HYBRID_FAMILIES = ("qwen3_5", "qwen3_next", "lfm2", "granitemoehybrid")
+HYBRID_FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next", "lfm2", "lfm2_moe",
+                   "granitemoehybrid")
 
 
 def tiny_hybrid_config(family):
@@ -139,6 +140,10 @@ def tiny_hybrid_config(family):
                  layer_types=["linear_attention", "full_attention", "linear_attention"])
     if family == "qwen3_5":
         return transformers.Qwen3_5TextConfig(**common, **delta)
+    moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+    if family == "qwen3_5_moe":
+        return transformers.Qwen3_5MoeTextConfig(**common, **delta, **moe,
+                                                 shared_expert_intermediate_size=32)
     if family == "qwen3_next":
         return transformers.Qwen3NextConfig(**common, **delta, num_experts=4,
                                             num_experts_per_tok=2, moe_intermediate_size=32,
@@ -146,6 +151,9 @@ def tiny_hybrid_config(family):
     if family == "lfm2":
         return transformers.Lfm2Config(**common, conv_L_cache=3,
                                        layer_types=["conv", "full_attention", "conv"])
+    if family == "lfm2_moe":       # its first layer is dense (num_dense_layers), the last MoE
+        return transformers.Lfm2MoeConfig(**common, **moe, conv_L_cache=3, num_dense_layers=1,
+                                          layer_types=["conv", "full_attention", "conv"])
     if family == "granitemoehybrid":
         return transformers.GraniteMoeHybridConfig(
             **common, layer_types=["linear_attention", "full_attention", "linear_attention"],

@@ -1,6 +1,6 @@
 """pagedkv under transformers for hybrid models: layers that keep a recurrent state
-(gated DeltaNet in Qwen3.5 and Qwen3-Next, LFM2's short convolutions, Mamba2 in
-GraniteMoeHybrid) beside attention layers.
+(gated DeltaNet in Qwen3.5, Qwen3.5-MoE and Qwen3-Next, the short convolutions of
+LFM2 and LFM2-MoE, Mamba2 in GraniteMoeHybrid) beside attention layers.
 
 Tiny random float32 models of each family give, through a ``PagedCache``, the
 greedy tokens of the same model with transformers' own cache, per prompt alone:
@@ -52,8 +52,10 @@ def paged_cache(model, backend, **options):
 # -- what the configs map onto ------------------------------------------------------------
 @pytest.mark.parametrize("family, states", [
     ("qwen3_5", [((2 * 2 * 16 + 4 * 16, 3), (4, 16, 16)), None, ((128, 3), (4, 16, 16))]),
+    ("qwen3_5_moe", [((128, 3), (4, 16, 16)), None, ((128, 3), (4, 16, 16))]),
     ("qwen3_next", [((128, 3), (4, 16, 16)), None, ((128, 3), (4, 16, 16))]),
     ("lfm2", [((64, 2),), None, ((64, 2),)]),
+    ("lfm2_moe", [((64, 2),), None, ((64, 2),)]),
     # conv over x, B and C (2 * 64 + 2 * 2 * 16), the SSM state [heads, head_dim, d_state]
     ("granitemoehybrid", [((192, 3), (8, 16, 16)), None, ((192, 3), (8, 16, 16))]),
 ])
