@@ -12,6 +12,10 @@ kernels over a :class:`PagedCache`.  Three ways in (docs/hf.md):
 - **generate_batch**: :func:`generate_batch`, continuous batching with
   chunked prefill and prefix caching.
 
+Hybrid models (Qwen3.5, Qwen3-Next, LFM2, GraniteMoeHybrid) keep their
+recurrent layers' states in the same cache: :mod:`pagedkv.hf.recurrent` routes
+their mixers' state calls to it.
+
 ``import pagedkv`` never imports this package, torch or transformers.
 """
 from pagedkv.hf import _requirements  # noqa: F401  (first: the ImportError naming the extra)

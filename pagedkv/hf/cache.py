@@ -222,7 +222,10 @@ class PagedCache(Cache):
         ``model.config``.  Read for the layers, KV heads, ``head_dim``, the
         layer types (``sliding_attention`` layers become windowed layers of
         ``sliding_window`` positions, which keep K/V in the window pool),
-        the scale (``query_pre_attn_scalar``) and ``attn_logit_softcapping``.
+        the scale (``query_pre_attn_scalar``) and ``attn_logit_softcapping``;
+        a hybrid model's recurrent layers (``linear_attention``, ``conv``)
+        become recurrent layers of the cache (``layer_states``: float32
+        states of the shapes ``pagedkv.hf.config.RecurrentLayer`` gives).
     num_pages : int
         Pages of the full-attention pool.
     page_size : int, default 16
