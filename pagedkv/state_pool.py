@@ -44,7 +44,7 @@ from pagedkv._allocator import PageAllocator
 from pagedkv.errors import OutOfPagesError
 from pagedkv.state_spec import StateSpec
 
-def prefix_hasher() -> "hashlib._Hash":
+def prefix_hasher() -> "hashlib.blake2b":
     """A hasher of token prefixes: fed a prefix's tokens (int32 bytes, in any
     pieces), its ``digest()`` is the prefix's key (256-bit BLAKE2b: two
     different prefixes never meet in practice), whatever the snapshot
@@ -52,7 +52,7 @@ def prefix_hasher() -> "hashlib._Hash":
     return hashlib.blake2b(digest_size=32, person=b"pagedkv-states")
 
 
-def _extend(hashers: "List[hashlib._Hash]", tokens: np.ndarray) -> bytes:
+def _extend(hashers: "List[hashlib.blake2b]", tokens: np.ndarray) -> bytes:
     """Append the hasher of the last prefix extended by ``tokens``; its digest."""
     hasher = hashers[-1].copy() if hashers else prefix_hasher()
     hasher.update(np.ascontiguousarray(tokens, np.int32).tobytes())
@@ -168,9 +168,9 @@ class _History:
     __slots__ = ("entries", "digests")
 
     def __init__(self, entries: Optional[List[_Entry]] = None,
-                 digests: "Optional[List[hashlib._Hash]]" = None):
+                 digests: "Optional[List[hashlib.blake2b]]" = None):
         self.entries: List[_Entry] = entries or []
-        self.digests: "Optional[List[hashlib._Hash]]" = digests
+        self.digests: "Optional[List[hashlib.blake2b]]" = digests
 
     @property
     def current(self) -> Optional[_Entry]:
@@ -185,7 +185,7 @@ class _SeqPlan(NamedTuple):
     in_place: bool              # advance its current slot (else a new one)
     inside: Tuple[int, ...]     # lengths inside the step whose states it keeps
     snapshots: Tuple[Tuple[int, bytes], ...]    # (position, digest) to snapshot
-    digests: "Optional[List[hashlib._Hash]]"    # its prefix hashers after the step
+    digests: "Optional[List[hashlib.blake2b]]"    # its prefix hashers after the step
 
 
 class StepPlan(NamedTuple):
@@ -281,10 +281,10 @@ class StatePool:
         entry = self._history(seq_id).current
         return -1 if entry is None else entry.slot
 
-    def prompt_digests(self, tokens: np.ndarray) -> "List[hashlib._Hash]":
+    def prompt_digests(self, tokens: np.ndarray) -> "List[hashlib.blake2b]":
         """Hashers of ``tokens``' prefixes at each snapshot position short of its
         last token (what a prefix hit may cover)."""
-        hashers: "List[hashlib._Hash]" = []
+        hashers: "List[hashlib.blake2b]" = []
         if self.interval is None:
             return hashers
         step = self.interval
@@ -292,7 +292,7 @@ class StatePool:
             _extend(hashers, tokens[end - step:end])
         return hashers
 
-    def allowed_hits(self, digests: "List[hashlib._Hash]", page_size: int) -> np.ndarray:
+    def allowed_hits(self, digests: "List[hashlib.blake2b]", page_size: int) -> np.ndarray:
         """Per number of full pages ``h`` a prefix hit may cover (``[0, len + 1)``):
         whether a usable snapshot holds the state after them; uint8.  ``h = 0``
         always: a new sequence's state is zeros."""
@@ -306,7 +306,7 @@ class StatePool:
         return allowed
 
     def start(self, seq_id: int, length: int,
-              digests: "Optional[List[hashlib._Hash]]") -> None:
+              digests: "Optional[List[hashlib.blake2b]]") -> None:
         """A new sequence of ``length`` tokens (a prefix hit: on the snapshot at
         that length, shared; 0: no state yet).  ``digests``: its prompt's."""
         history = _History(digests=None if self.interval is None else [])
@@ -402,6 +402,7 @@ class StatePool:
             if tokens is None or known is None:
                 digests = None              # tokens unknown from here: no more snapshots
             elif digests is not None and len(ends):
+                assert interval is not None
                 start = query_start[b]
                 step_tokens = tokens[start:start + n]
                 prior = known(seq_id)
@@ -462,8 +463,11 @@ class StatePool:
                 slot = cur.slot
             else:
                 slot = next(fresh)
-                (copy_src.append(cur.slot), copy_dst.append(slot)) if cur is not None \
-                    else zero.append(slot)
+                if cur is not None:
+                    copy_src.append(cur.slot)
+                    copy_dst.append(slot)
+                else:
+                    zero.append(slot)
             slots[b] = slot
             inside = [(length, next(fresh)) for length in sp.inside]
             snaps = []
