@@ -230,8 +230,12 @@ class StatePool:
 
     def _evictable(self) -> List[bytes]:
         """Snapshots no sequence uses, least recently used first."""
-        refcount = self.allocator.refcount
-        return [key for key, snap in self._snapshots.items() if refcount(snap.slot) == 1]
+        if not self._snapshots:
+            return []
+        slots = np.fromiter((snap.slot for snap in self._snapshots.values()), np.int32,
+                            len(self._snapshots))
+        alone = self.allocator.refcount(slots) == 1
+        return [key for key, free in zip(self._snapshots, alone.tolist()) if free]
 
     @property
     def num_free(self) -> int:
@@ -380,6 +384,7 @@ class StatePool:
         refcount = self.allocator.refcount
         rollback, interval = self.rollback, self.interval
         seqs: List[Optional[_SeqPlan]] = []
+        planned: Set[bytes] = set()     # snapshots of this step (two sequences may share one)
         need = 0
         releasable = 0
         for b, (seq_id, n) in enumerate(zip(seq_ids.tolist(), counts.tolist())):
@@ -415,7 +420,8 @@ class StatePool:
                         chunk = np.concatenate([prior[begin:old], step_tokens[:end - old]]) \
                             if begin < old else step_tokens[begin - old:end - old]
                         digest = _extend(digests, chunk)
-                        if digest not in self._snapshots:
+                        if digest not in self._snapshots and digest not in planned:
+                            planned.add(digest)
                             snapshots.append((end, digest))
             seqs.append(_SeqPlan(int(query_start[b]), old, new, in_place, inside,
                                  tuple(snapshots), digests))

@@ -370,3 +370,26 @@ def test_bad_arguments_name_themselves_and_change_nothing(backend):
             call()
     after = h.cache.read_state(1, a)    # (the step's slot is a's own: nothing advanced)
     assert all(np.array_equal(x, y) for x, y in zip(before, after))
+
+
+def test_every_slot_comes_back(backend):
+    h = Hybrid(backend, enable_prefix_caching=True, state_snapshot_interval=4,
+               state_rollback_tokens=2, num_state_slots=24)
+    a, b = h.add(), h.add()
+    batch = h.cache.append([a, b], [9, 9], list(range(9)) * 2)   # one prompt twice
+    for layer in (0, 2):
+        kv = np.zeros((18, NUM_KV_HEADS, HEAD_DIM))
+        h.cache.store(layer, batch, kv, kv)
+    h.cache.write_states(1, batch, h.cache.read_states(1, batch))
+    stats = h.cache.stats()
+    assert stats["num_used_state_slots"] == 2 + 2 * 2       # their own and rollback states
+    assert stats["num_cached_state_slots"] == 2             # snapshots at 4 and 8, once each
+    c = h.fork(a)
+    h.step([c, b], [3, 1])
+    h.cache.swap_out(b)
+    h.cache.truncate(c, 10)
+    for s in (a, b, c):
+        h.cache.free(s)
+    h.cache.reset_prefix_cache()
+    assert h.cache.num_free_state_slots == h.cache.num_state_slots == 24
+    assert h.cache.stats()["num_used_state_slots"] == 0
