@@ -474,10 +474,11 @@ class StatePool:
         saves: List[Tuple[int, int]] = []
         records = []
         at = 0
-        for b, (seq_id, sp) in enumerate(zip(plan.seq_ids, plan.seqs)):
-            if sp is None:
+        for b, (seq_id, maybe) in enumerate(zip(plan.seq_ids, plan.seqs)):
+            if maybe is None:
                 slots[b] = self.current_slot(seq_id)
                 continue
+            sp = maybe
             history = planned[at][2]
             at += 1
             cur = history.current
