@@ -212,5 +212,6 @@ setup(
         + [kernel_extension(level) for level in kernel_levels()],
         compiler_directives=directives,
         include_path=["pagedkv"],
+        nthreads=_build_jobs(),      # Cython's translation too, one module per core
     ),
 )

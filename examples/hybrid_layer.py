@@ -68,7 +68,8 @@ def main(backend="auto"):
     layer = DeltaNetLayer()
     rng = np.random.default_rng(1)
     cache = pagedkv.PagedKVCache(2, 2, 16, num_pages=64, page_size=8, backend=backend,
-                                 layer_states=[None, SPEC], state_rollback_tokens=3,
+                                 layer_states=[None, SPEC], num_state_slots=16,
+                                 state_rollback_tokens=3,
                                  enable_prefix_caching=True, state_snapshot_interval=16)
     history = {}                    # seq_id -> (tokens, x rows, gate rows)
 

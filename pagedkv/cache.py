@@ -509,8 +509,7 @@ class PagedKVCache:
             # a hit must also end where a state snapshot is
             digests = states.prompt_digests(tokens)
             allowed = states.allowed_hits(digests, self.page_size)
-        seq_id = self._tables.add(tokens) if allowed is None else \
-            self._tables.add(tokens, allowed)
+        seq_id = self._tables.add(tokens, allowed)
         states.start(seq_id, self._tables.seq_len(seq_id), digests)
         return seq_id
 

@@ -51,7 +51,7 @@ import numpy as np
 
 from pagedkv import transfer
 from pagedkv._validate import check_int_vector
-from pagedkv.backends.base import StoredRows
+from pagedkv.backends.base import StoredRows, empty_rows
 from pagedkv.errors import ArgumentTypeError, OutOfPagesError
 from pagedkv.holdings import CacheHoldings
 from pagedkv.storage import storage_format
@@ -131,7 +131,7 @@ def _export_snapshots(holdings: CacheHoldings) -> Dict[str, np.ndarray]:
     if not snapshots:
         return {}
     slots = np.array([slot for _, _, slot in snapshots], np.int32)
-    tensors = {"state_snapshots.digests": np.frombuffer(
+    tensors: Dict[str, np.ndarray] = {"state_snapshots.digests": np.frombuffer(
                    b"".join(d for d, _, _ in snapshots), np.uint8).reshape(-1, 32).copy(),
                "state_snapshots.positions": np.array([p for _, p, _ in snapshots], np.int64)}
     for layer, shapes in enumerate(holdings.states.spec.shapes):   # type: ignore[union-attr]
@@ -165,8 +165,8 @@ def _export_chains(holdings: CacheHoldings) -> Tuple[Dict[str, np.ndarray], Dict
     slots = [(held[held >= 0][:, None].astype(np.int64) * ps + offsets).ravel()
              for held in pages]
     recurrent = holdings.recurrent_layers    # no K/V rows
-    rows = [holdings.backend.read_rows(layer, slots[pool.index][:0] if layer in recurrent
-                                       else slots[pool.index])
+    rows = [empty_rows(holdings.storage, 0, holdings.num_kv_heads, holdings.head_dim)
+            if layer in recurrent else holdings.backend.read_rows(layer, slots[pool.index])
             for layer, pool in enumerate(holdings.layer_pool)]
     tensors = {"prefix_cache.token_ids": np.ascontiguousarray(chains["tokens"]),
                "prefix_cache.parents": chains["parents"],

@@ -65,6 +65,12 @@ def _as_output(out: Any, torch_in: bool) -> Any:
     return sys.modules["torch"].from_numpy(out) if torch_in else out
 
 
+def _step_of(batch: "StepBatch") -> "StateStep":
+    step = batch._state_step
+    assert step is not None         # a cache with recurrent layers gives every step one
+    return step
+
+
 def check_unadvanced(step: "StateStep", layer: int, index: int, what: str) -> None:
     if step.advanced(layer, index):
         raise ValueError(f"state: state {index} of layer {layer} was already advanced in this "
@@ -84,7 +90,7 @@ def causal_conv1d(backend: "Backend", pool: "StatePool", layer: int, batch: "Ste
     channels, kernel = shape[0], shape[1] + 1
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation: expected None or 'silu', got {activation!r}"[:200])
-    step = batch._state_step
+    step = _step_of(batch)
     torch_in = is_torch_tensor(x)
     x = _as_kernel_input("x", x, (batch.num_tokens, channels), backend)
     weight = np.ascontiguousarray(check_tensor("weight", weight, (channels, kernel)),
@@ -112,7 +118,7 @@ def gated_delta_rule(backend: "Backend", pool: "StatePool", layer: int, batch: "
     if not isinstance(qk_l2norm, (bool, np.bool_)):
         raise ArgumentTypeError(f"qk_l2norm: expected a bool, got {qk_l2norm!r}"[:200])
     scale = k_dim ** -0.5 if scale is None else _finite_float("scale", scale)
-    step = batch._state_step
+    step = _step_of(batch)
     torch_in = is_torch_tensor(q)
     total = batch.num_tokens
     q = _as_kernel_input("q", q, (total, None, k_dim), backend)
@@ -135,7 +141,7 @@ def read_states(pool: "StatePool", layer: int, batch: "StepBatch") -> Tuple[np.n
     """``PagedKVCache.read_states``: per state array, ``[B, *shape]`` float32, the
     states before the step (zeros for a sequence without one)."""
     spec = layer_spec(pool.spec.layer_states, layer)
-    step = batch._state_step
+    step = _step_of(batch)
     for index in range(spec.num_arrays):
         if step.advanced(layer, index):
             raise ValueError(f"layer: state {index} of layer {layer} was already advanced in "
@@ -148,7 +154,7 @@ def write_states(pool: "StatePool", layer: int, batch: "StepBatch", states: Any)
     """``PagedKVCache.write_states``: the states after the step, per state array
     ``[B, *shape]``; rows of sequences without new tokens are ignored."""
     spec = layer_spec(pool.spec.layer_states, layer)
-    step = batch._state_step
+    step = _step_of(batch)
     if not isinstance(states, (tuple, list)) or len(states) != spec.num_arrays:
         raise ArgumentTypeError(f"states: expected a tuple of {spec.num_arrays} arrays (layer "
                                 f"{layer}'s state arrays), got {type(states).__name__}")

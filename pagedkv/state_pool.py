@@ -44,7 +44,7 @@ from pagedkv._allocator import PageAllocator
 from pagedkv.errors import OutOfPagesError
 from pagedkv.state_spec import StateSpec
 
-def prefix_hasher() -> "hashlib._Hash":
+def prefix_hasher() -> "hashlib.blake2b":
     """A hasher of token prefixes: fed a prefix's tokens (int32 bytes, in any
     pieces), its ``digest()`` is the prefix's key (256-bit BLAKE2b: two
     different prefixes never meet in practice), whatever the snapshot
@@ -52,7 +52,7 @@ def prefix_hasher() -> "hashlib._Hash":
     return hashlib.blake2b(digest_size=32, person=b"pagedkv-states")
 
 
-def _extend(hashers: "List[hashlib._Hash]", tokens: np.ndarray) -> bytes:
+def _extend(hashers: "List[hashlib.blake2b]", tokens: np.ndarray) -> bytes:
     """Append the hasher of the last prefix extended by ``tokens``; its digest."""
     hasher = hashers[-1].copy() if hashers else prefix_hasher()
     hasher.update(np.ascontiguousarray(tokens, np.int32).tobytes())
@@ -168,9 +168,9 @@ class _History:
     __slots__ = ("entries", "digests")
 
     def __init__(self, entries: Optional[List[_Entry]] = None,
-                 digests: "Optional[List[hashlib._Hash]]" = None):
+                 digests: "Optional[List[hashlib.blake2b]]" = None):
         self.entries: List[_Entry] = entries or []
-        self.digests: "Optional[List[hashlib._Hash]]" = digests
+        self.digests: "Optional[List[hashlib.blake2b]]" = digests
 
     @property
     def current(self) -> Optional[_Entry]:
@@ -185,7 +185,7 @@ class _SeqPlan(NamedTuple):
     in_place: bool              # advance its current slot (else a new one)
     inside: Tuple[int, ...]     # lengths inside the step whose states it keeps
     snapshots: Tuple[Tuple[int, bytes], ...]    # (position, digest) to snapshot
-    digests: "Optional[List[hashlib._Hash]]"    # its prefix hashers after the step
+    digests: "Optional[List[hashlib.blake2b]]"    # its prefix hashers after the step
 
 
 class StepPlan(NamedTuple):
@@ -230,8 +230,12 @@ class StatePool:
 
     def _evictable(self) -> List[bytes]:
         """Snapshots no sequence uses, least recently used first."""
-        refcount = self.allocator.refcount
-        return [key for key, snap in self._snapshots.items() if refcount(snap.slot) == 1]
+        if not self._snapshots:
+            return []
+        slots = np.fromiter((snap.slot for snap in self._snapshots.values()), np.int32,
+                            len(self._snapshots))
+        alone = self.allocator.refcount(slots) == 1
+        return [key for key, free in zip(self._snapshots, alone.tolist()) if free]
 
     @property
     def num_free(self) -> int:
@@ -281,10 +285,10 @@ class StatePool:
         entry = self._history(seq_id).current
         return -1 if entry is None else entry.slot
 
-    def prompt_digests(self, tokens: np.ndarray) -> "List[hashlib._Hash]":
+    def prompt_digests(self, tokens: np.ndarray) -> "List[hashlib.blake2b]":
         """Hashers of ``tokens``' prefixes at each snapshot position short of its
         last token (what a prefix hit may cover)."""
-        hashers: "List[hashlib._Hash]" = []
+        hashers: "List[hashlib.blake2b]" = []
         if self.interval is None:
             return hashers
         step = self.interval
@@ -292,7 +296,7 @@ class StatePool:
             _extend(hashers, tokens[end - step:end])
         return hashers
 
-    def allowed_hits(self, digests: "List[hashlib._Hash]", page_size: int) -> np.ndarray:
+    def allowed_hits(self, digests: "List[hashlib.blake2b]", page_size: int) -> np.ndarray:
         """Per number of full pages ``h`` a prefix hit may cover (``[0, len + 1)``):
         whether a usable snapshot holds the state after them; uint8.  ``h = 0``
         always: a new sequence's state is zeros."""
@@ -306,7 +310,7 @@ class StatePool:
         return allowed
 
     def start(self, seq_id: int, length: int,
-              digests: "Optional[List[hashlib._Hash]]") -> None:
+              digests: "Optional[List[hashlib.blake2b]]") -> None:
         """A new sequence of ``length`` tokens (a prefix hit: on the snapshot at
         that length, shared; 0: no state yet).  ``digests``: its prompt's."""
         history = _History(digests=None if self.interval is None else [])
@@ -364,6 +368,16 @@ class StatePool:
             del history.digests[new_len // self.interval:]
 
     # -- a step ------------------------------------------------------------------------
+    def _refcounts(self, slots: List[int]) -> List[int]:
+        """The slots' reference counts, in one call (0 for -1)."""
+        if not slots:
+            return []
+        array = np.array(slots, np.int32)
+        counts = np.zeros(len(slots), np.int32)
+        held = array >= 0
+        counts[held] = self.allocator.refcount(array[held])
+        return counts.tolist()
+
     def plan(self, seq_ids: np.ndarray, counts: np.ndarray, old_lens: Sequence[int],
              known: Optional[Callable[[int], np.ndarray]],
              tokens: Optional[np.ndarray]) -> StepPlan:
@@ -377,31 +391,36 @@ class StatePool:
         """
         query_start = np.zeros(len(seq_ids) + 1, np.int32)
         np.cumsum(counts, out=query_start[1:])
-        refcount = self.allocator.refcount
         rollback, interval = self.rollback, self.interval
+        ids, ns = seq_ids.tolist(), counts.tolist()
+        histories = [self._seqs.get(s) for s in ids]
+        currents = [h.entries[-1] if h is not None and h.entries else None for h in histories]
+        shared = self._refcounts([-1 if c is None else c.slot for c in currents])
+        # states no longer kept after the step, other than the current one
+        stale = [e.slot for h, old, n in zip(histories, old_lens, ns) if n and h is not None
+                 for e in h.entries[:-1] if e.length < old + n - rollback] if rollback else []
+        releasable = sum(1 for count in self._refcounts(stale) if count == 1)
         seqs: List[Optional[_SeqPlan]] = []
+        planned: Set[bytes] = set()     # snapshots of this step (two sequences may share one)
         need = 0
-        releasable = 0
-        for b, (seq_id, n) in enumerate(zip(seq_ids.tolist(), counts.tolist())):
+        for b, (seq_id, n) in enumerate(zip(ids, ns)):
             if n == 0:
                 seqs.append(None)
                 continue
-            history = self._history(seq_id)
-            old, new = int(old_lens[b]), int(old_lens[b]) + n
-            cur = history.current
+            old = int(old_lens[b])
+            new = old + n
+            cur = currents[b]
             keep_cur = cur is not None and rollback > 0 and cur.length >= new - rollback
-            in_place = cur is not None and not keep_cur and refcount(cur.slot) == 1
-            inside = tuple(range(max(old + 1, new - rollback), new))
+            in_place = cur is not None and not keep_cur and shared[b] == 1
+            inside = tuple(range(max(old + 1, new - rollback), new)) if rollback else ()
             need += (not in_place) + len(inside)
-            releasable += sum(1 for e in history.entries[:-1]
-                              if e.length < new - rollback and refcount(e.slot) == 1)
             snapshots: List[Tuple[int, bytes]] = []
-            digests = history.digests
-            ends = range((old // interval + 1) * interval, new + 1, interval) if interval \
-                else range(0)
-            if tokens is None or known is None:
+            history = histories[b]
+            digests = history.digests if history is not None else \
+                ([] if interval else None)
+            if tokens is None or known is None or interval is None:
                 digests = None              # tokens unknown from here: no more snapshots
-            elif digests is not None and len(ends):
+            elif digests is not None and new // interval > old // interval:
                 start = query_start[b]
                 step_tokens = tokens[start:start + n]
                 prior = known(seq_id)
@@ -409,61 +428,70 @@ class StatePool:
                     digests = None
                 else:
                     digests = list(digests)
-                    for end in ends:
+                    for end in range((old // interval + 1) * interval, new + 1, interval):
                         begin = end - interval
                         chunk = np.concatenate([prior[begin:old], step_tokens[:end - old]]) \
                             if begin < old else step_tokens[begin - old:end - old]
                         digest = _extend(digests, chunk)
-                        if digest not in self._snapshots:
+                        if digest not in self._snapshots and digest not in planned:
+                            planned.add(digest)
                             snapshots.append((end, digest))
             seqs.append(_SeqPlan(int(query_start[b]), old, new, in_place, inside,
                                  tuple(snapshots), digests))
-        if need > self.num_free + releasable:
+        free = self.num_free
+        if need > free + releasable:
             raise OutOfPagesError(
                 f"num_state_slots: the step needs {need} slots of the state pool (the "
                 f"recurrent layers' states: a new or forked sequence's own, and one per "
-                f"rollback state kept), {self.num_free + releasable} are free of "
+                f"rollback state kept), {free + releasable} are free of "
                 f"{self.num_slots}; free sequences or raise num_state_slots")
-        return StepPlan(tuple(seq_ids.tolist()), query_start, tuple(seqs))
+        return StepPlan(tuple(ids), query_start, tuple(seqs))
 
     def commit(self, plan: StepPlan) -> StateStep:
         """Take the planned step's slots, copy or zero the states it starts from,
         and return the :class:`StateStep` its recurrences read."""
         rollback = self.rollback
+        planned = [(seq_id, sp, self._history(seq_id)) for seq_id, sp in
+                   zip(plan.seq_ids, plan.seqs) if sp is not None]
         # what the step no longer keeps first: its slots may serve the step
-        for seq_id, sp in zip(plan.seq_ids, plan.seqs):
-            if sp is None:
-                continue
-            history = self._history(seq_id)
-            stale = [e for e in history.entries[:-1] if e.length < sp.new_len - rollback]
-            if stale:
-                self._release([e.slot for e in stale])
-                history.entries = [e for e in history.entries
-                                   if not (e.length < sp.new_len - rollback
-                                           and e is not history.entries[-1])]
-                self._seqs[seq_id] = history
-        needed = sum((not sp.in_place) + len(sp.inside) for sp in plan.seqs if sp is not None)
-        fresh = iter(self._take(needed).tolist())
-        wanted = sum(len(sp.snapshots) for sp in plan.seqs if sp is not None)
-        spare = iter(self._take(min(wanted, self.num_free)).tolist())
+        if rollback:
+            stale: List[int] = []
+            for _, sp, history in planned:
+                entries = history.entries
+                keep = [e for e in entries[:-1] if e.length >= sp.new_len - rollback]
+                if len(keep) < len(entries) - 1:
+                    stale += [e.slot for e in entries[:-1] if e.length < sp.new_len - rollback]
+                    history.entries = keep + entries[-1:]
+            self._release(stale)
+        needed = sum((not sp.in_place) + len(sp.inside) for _, sp, _ in planned)
+        fresh = iter(self._take(needed).tolist()) if needed else iter(())
+        wanted = sum(len(sp.snapshots) for _, sp, _ in planned)
+        spare = iter(self._take(min(wanted, self.num_free)).tolist()) if wanted else iter(())
         slots = np.full(len(plan.seq_ids), -1, np.int32)
         copy_src: List[int] = []
         copy_dst: List[int] = []
         zero: List[int] = []
         saves: List[Tuple[int, int]] = []
-        records: List[Tuple[int, _SeqPlan, int, List[Tuple[int, int]], List[Tuple[int, bytes, int]]]] = []
-        for b, (seq_id, sp) in enumerate(zip(plan.seq_ids, plan.seqs)):
-            cur = self._history(seq_id).current if sp is not None else None
-            if sp is None:
+        records = []
+        at = 0
+        for b, (seq_id, maybe) in enumerate(zip(plan.seq_ids, plan.seqs)):
+            if maybe is None:
                 slots[b] = self.current_slot(seq_id)
                 continue
+            sp = maybe
+            history = planned[at][2]
+            at += 1
+            cur = history.current
             if sp.in_place:
                 assert cur is not None
                 slot = cur.slot
             else:
                 slot = next(fresh)
-                (copy_src.append(cur.slot), copy_dst.append(slot)) if cur is not None \
-                    else zero.append(slot)
+                if cur is not None:
+                    copy_src.append(cur.slot)
+                    copy_dst.append(slot)
+                else:
+                    zero.append(slot)
             slots[b] = slot
             inside = [(length, next(fresh)) for length in sp.inside]
             snaps = []
@@ -476,35 +504,36 @@ class StatePool:
                 saves.append((sp.row + length - sp.old_len - 1, s))
             for position, _, s in snaps:
                 saves.append((sp.row + position - sp.old_len - 1, s))
-            records.append((seq_id, sp, slot, inside, snaps))
+            records.append((seq_id, sp, history, slot, inside, snaps))
         try:
             if copy_src:
                 self.store.copy(np.array(copy_src, np.int32), np.array(copy_dst, np.int32))
             if zero:
                 self.store.zero(np.array(zero, np.int32))
         except BaseException:
-            taken = copy_dst + zero + [s for r in records for s in
-                                       [x[1] for x in r[3]] + [x[2] for x in r[4]]]
-            self._release(taken)
+            self._release(copy_dst + zero + [s for r in records for s in
+                                             [x[1] for x in r[4]] + [x[2] for x in r[5]]])
             raise
         saves.sort()
         step = StateStep(plan.query_start, slots,
                          np.array([r for r, _ in saves], np.int32).reshape(-1),
                          np.array([s for _, s in saves], np.int32).reshape(-1), self._arrays)
-        for seq_id, sp, slot, inside, snaps in records:
-            history = self._history(seq_id)
+        released: List[int] = []
+        for seq_id, sp, history, slot, inside, snaps in records:
             cur = history.current
             entries = history.entries
             if sp.in_place:
                 entries = entries[:-1]
             elif cur is not None and not (rollback and cur.length >= sp.new_len - rollback):
-                self._release([cur.slot])
+                released.append(cur.slot)
                 entries = entries[:-1]
-            entries = entries + [_Entry(length, s, step, True) for length, s in inside]
+            if inside:
+                entries = entries + [_Entry(length, s, step, True) for length, s in inside]
             entries.append(_Entry(sp.new_len, slot, step, False))
             for position, digest, s in snaps:
                 self._snapshots[digest] = _Snapshot(s, position, step, position < sp.new_len)
             self._seqs[seq_id] = _History(entries, sp.digests)
+        self._release(released)
         return step
 
     # -- sequences that leave the cache ------------------------------------------------

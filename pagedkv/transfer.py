@@ -687,7 +687,10 @@ def reserve_cached_chains(holdings: CacheHoldings, chains: CachedChains, reserve
     try:            # as in import_sequence
         pages = holdings.chains.reserve(token_ids, np.ascontiguousarray(parents), held_in,
                                         reserves)
+        recurrent = holdings.recurrent_layers      # no K/V rows
         for layer, pool in enumerate(holdings.layer_pool):
+            if layer in recurrent:
+                continue
             targets = pages[pool.index]
             chosen = np.flatnonzero(targets >= 0)
             slots = (targets[chosen, None].astype(np.int64) * page_size + offsets).ravel()

@@ -8,6 +8,9 @@
 - ``examples/latent_attention.py`` (multi-head latent attention over a
   ``kv_layout="latent"`` cache): it runs as a script, and on every backend its
   absorbed attention equals the expanded form it checks itself against;
+- ``examples/hybrid_layer.py`` (a gated DeltaNet layer with its state in the
+  cache): it runs as a script, and on every backend its outputs equal the
+  layer run from scratch, which it checks itself;
 - the transformers examples (``examples/hf_*.py``: attention only, ``generate``,
   ``generate_batch``) run on SmolLM2 and print what they claim.
 """
@@ -26,6 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 ENGINE_LOOP = ROOT / "examples" / "engine_loop.py"
 LATENT = ROOT / "examples" / "latent_attention.py"
+HYBRID = ROOT / "examples" / "hybrid_layer.py"
 README = ROOT / "README.md"
 PREFIX_CACHING_DOC = ROOT / "docs" / "prefix-caching.md"
 
@@ -59,6 +63,20 @@ def test_latent_example_runs_as_written(tmp_path):
 def test_latent_example_matches_the_expanded_form(backend, capsys):
     load_example(LATENT).main(decode_steps=2, backend=backend)   # it asserts every step
     assert capsys.readouterr().out.count("max |absorbed - expanded|") == 3
+
+
+def test_hybrid_example_runs_as_written(tmp_path):
+    load_example(HYBRID)
+    result = subprocess.run([sys.executable, str(HYBRID)], cwd=tmp_path, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "prefix hit: 32 of 41" in result.stdout, result.stdout
+    assert "rolled back" in result.stdout and "matched" in result.stdout, result.stdout
+
+
+def test_hybrid_example_matches_the_layer_from_scratch(backend, capsys):
+    load_example(HYBRID).main(backend=backend)     # it asserts every step
+    assert "prefix hit: 32 of 41" in capsys.readouterr().out
 
 
 def dense_logits(model, tokens):

@@ -56,7 +56,8 @@ SANITIZED_TESTS = [
     "tests/test_attention.py", "tests/test_attention_variants.py", "tests/test_lifecycle.py",
     "tests/test_errors.py", "tests/test_page_tables.py", "tests/test_allocator.py",
     "tests/test_prefix_cache.py", "tests/test_reliability.py", "tests/test_fuzz_state.py",
-    "tests/test_transfer.py", "tests/test_masked_values.py",
+    "tests/test_transfer.py", "tests/test_masked_values.py", "tests/test_recurrent_kernels.py",
+    "tests/test_states.py",
 ]
 # ASan reserves terabytes of shadow address space: a test that caps RLIMIT_AS cannot run.
 NOT_UNDER_ASAN = [

@@ -13,6 +13,9 @@ C, K = 6, 4                         # conv channels and kernel
 HK, HV, DK, DV = 2, 4, 8, 8         # delta rule: k-heads, v-heads (GQA 2), widths
 NUM_KV_HEADS, HEAD_DIM = 2, 8
 TOL = dict(rtol=2e-4, atol=2e-4)
+# the state pool's logic is Python above the kernels, which test_recurrent_kernels.py
+# runs on every OpenCL device: here the primary device stands for them
+pytestmark = pytest.mark.one_opencl_device
 SPEC = pagedkv.StateSpec([(C, K - 1), (HV, DK, DV)])
 
 
@@ -370,3 +373,91 @@ def test_bad_arguments_name_themselves_and_change_nothing(backend):
             call()
     after = h.cache.read_state(1, a)    # (the step's slot is a's own: nothing advanced)
     assert all(np.array_equal(x, y) for x, y in zip(before, after))
+
+
+def test_every_slot_comes_back(backend):
+    h = Hybrid(backend, enable_prefix_caching=True, state_snapshot_interval=4,
+               state_rollback_tokens=2, num_state_slots=24)
+    a, b = h.add(), h.add()
+    batch = h.cache.append([a, b], [9, 9], list(range(9)) * 2)   # one prompt twice
+    for layer in (0, 2):
+        kv = np.zeros((18, NUM_KV_HEADS, HEAD_DIM))
+        h.cache.store(layer, batch, kv, kv)
+    h.cache.write_states(1, batch, h.cache.read_states(1, batch))
+    stats = h.cache.stats()
+    assert stats["num_used_state_slots"] == 2 + 2 * 2       # their own and rollback states
+    assert stats["num_cached_state_slots"] == 2             # snapshots at 4 and 8, once each
+    c = h.fork(a)
+    h.step([c, b], [3, 1])
+    h.cache.swap_out(b)
+    h.cache.truncate(c, 10)
+    for s in (a, b, c):
+        h.cache.free(s)
+    h.cache.reset_prefix_cache()
+    assert h.cache.num_free_state_slots == h.cache.num_state_slots == 24
+    assert h.cache.stats()["num_used_state_slots"] == 0
+
+
+def test_random_operations_keep_every_state(backend):
+    """Random steps, forks, rollbacks, swaps, exports and frees against the model:
+    each sequence's outputs and states follow the reference, and a rollback works
+    exactly at the lengths the model says are kept."""
+    rollback = 3
+    h = Hybrid(backend, state_rollback_tokens=rollback, num_state_slots=64, num_pages=256)
+    rng = np.random.default_rng(7)
+    held = {}                   # seq_id -> lengths a truncate may go back to
+
+    def add():
+        s = h.add()
+        held[s] = {0}
+        return s
+    for _ in range(3):
+        add()
+    for _ in range(60):
+        live = [s for s in h.cache.seq_ids() if not h.cache.is_swapped(s)]
+        op = rng.choice(["step", "step", "step", "fork", "truncate", "swap", "export", "free"])
+        if op == "step" and live:
+            chosen = [s for s in live if rng.random() < 0.7] or live[:1]
+            counts = [int(rng.choice([0, 1, 1, 2, 4, 9, 67])) for _ in chosen]
+            h.step(chosen, counts)
+            for s, n in zip(chosen, counts):
+                new = h.cache.seq_len(s)
+                held[s] = {n_ for n_ in held[s] | set(range(new - n, new + 1))
+                           if n_ >= new - rollback} | {0}
+        elif op == "fork" and live:
+            parent = int(rng.choice(live))
+            held[h.fork(parent)] = set(held[parent])
+        elif op == "truncate" and live:
+            s = int(rng.choice(live))
+            length = h.cache.seq_len(s)
+            target = int(rng.integers(max(0, length - rollback - 2), length + 1))
+            if target in held[s] or target == length:
+                h.truncate(s, target)
+                held[s] = {n for n in held[s] if n <= target}
+                h.check_state(s)
+            else:
+                with pytest.raises(ValueError, match="new_len"):
+                    h.cache.truncate(s, target)
+                assert h.cache.seq_len(s) == length
+        elif op == "swap" and live:
+            s = int(rng.choice(live))
+            h.cache.swap_out(s)
+            h.cache.swap_in(s)
+            held[s] = {0, h.cache.seq_len(s)}
+            h.check_state(s)
+        elif op == "export" and live:
+            s = int(rng.choice(live))
+            t = h.cache.import_sequence(h.cache.export_sequence(s))
+            h.inputs[t], h.tokens[t] = list(h.inputs[s]), list(h.tokens[s])
+            held[t] = {0, h.cache.seq_len(t)}
+            h.check_state(t)
+        elif op == "free" and len(live) > 1:
+            s = int(rng.choice(live))
+            h.cache.free(s)
+            del held[s]
+        if not h.cache.seq_ids():
+            add()
+    for s in h.cache.seq_ids():
+        h.check_state(s)
+        h.cache.free(s)
+    assert h.cache.num_free_state_slots == 64

@@ -261,7 +261,8 @@ class OpenCLBackend(Backend):
             for pages in layer_pages:
                 pools = {}
                 for part in self._copy_set:
-                    size = pages * num_kv_heads * page_size * part.row_bytes
+                    # (a recurrent layer has no pages; buffers cannot be empty)
+                    size = max(pages, 1) * num_kv_heads * page_size * part.row_bytes
                     buf = cl.Buffer(self.context, cl.mem_flags.READ_WRITE, size)
                     # zeros, like the host backend: a slot never stored reads back as 0
                     cl.enqueue_fill_buffer(self.queue, buf, np.zeros(1, np.uint8), 0, size)
