@@ -149,9 +149,10 @@ def test_a_packed_step_of_your_own(backend):
               past_key_values=cache)
 
 
-def test_beam_search_forks_the_states(backend):
+@pytest.mark.parametrize("family", ["qwen3_5", "granitemoehybrid"])
+def test_beam_search_forks_the_states(family, backend):
     import torch
-    model = tiny_hybrid("qwen3_5")
+    model = tiny_hybrid(family)
     ids, mask = padded(PROMPTS[:2], 0, "left")
     with sdpa(model), torch.inference_mode():
         want = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False,
@@ -165,16 +166,18 @@ def test_beam_search_forks_the_states(backend):
     assert len(cache.kv.seq_ids()) == len(cache.rows) == 4     # forks replaced their rows
 
 
-def test_assisted_decoding_rolls_the_states_back(backend):
+@pytest.mark.parametrize("family", ["qwen3_5", "lfm2"])
+def test_assisted_decoding_rolls_the_states_back(family, backend):
     """Prompt lookup drafts 3 tokens a pass; those rejected are cropped, states and all,
     and the tokens are plain greedy decoding's.
 
-    (transformers 5.25's own cache gives other tokens here, ``[..., 293, 190, 207,
-    24, 224]`` against greedy's ``[..., 293, 45, 171, 252, 78]``: its crop of the
-    linear-attention states misses; so the oracle is greedy without drafts.)
+    (transformers 5.25's own cache gives other tokens for the Qwen3.5 model here,
+    ``[..., 293, 190, 207, 24, 224]`` against greedy's ``[..., 293, 45, 171, 252,
+    78]``: its crop of the linear-attention states misses; so the oracle is greedy
+    decoding without drafts.)
     """
     import torch
-    model = tiny_hybrid("qwen3_5")
+    model = tiny_hybrid(family)
     # a prompt that repeats itself, so prompt lookup drafts tokens (some rejected)
     prompt = PROMPTS[1][:12] * 3
     ids, mask = padded([prompt], 0, "left")
@@ -193,6 +196,13 @@ def test_assisted_decoding_needs_room_to_roll_back():
     ids, mask = padded([PROMPTS[1]], 0, "left")
     cache = paged_cache(model, "host")                 # state_rollback_tokens=0
     with torch.inference_mode(), pytest.raises(ValueError, match="state_rollback_tokens"):
+        model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=4,
+                       do_sample=False, prompt_lookup_num_tokens=3)
+    # Mamba2's states come back once per pass (write_states): no crop inside a draft
+    model = tiny_hybrid("granitemoehybrid")
+    cache = paged_cache(model, "host", state_rollback_tokens=3)
+    with torch.inference_mode(), pytest.raises(ValueError, match="assisted decoding: layer 0 "
+                                               "of this granitemoehybrid is a Mamba2 layer"):
         model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=4,
                        do_sample=False, prompt_lookup_num_tokens=3)
 

@@ -696,10 +696,21 @@ class PagedCache(Cache):
         Raises
         ------
         ValueError
-            A hybrid model's cache built with fewer ``state_rollback_tokens``.
+            A hybrid model's cache built with fewer ``state_rollback_tokens``, or
+            one with Mamba2 layers (their states are written once per pass).
         """
         if not self.attention_config.is_hybrid:
             return
+        mamba2 = [i for i, state in enumerate(self.attention_config.layer_states)
+                  if state is not None and state.kind == "mamba2"]
+        if mamba2:
+            # its states reach the pool through write_states, once per step: a crop into
+            # the middle of a verified draft would find no state there
+            raise ValueError(f"assisted decoding: layer {mamba2[0]} of this "
+                             f"{self.attention_config.model_type} is a Mamba2 layer, whose "
+                             f"state pagedkv keeps at the end of each forward pass only, so "
+                             f"a rejected draft cannot be cropped; decode without an "
+                             f"assistant")
         need = 1 if recurrent_states_to_keep is None else int(recurrent_states_to_keep)
         have = self.state_rollback_tokens
         if need > have:
