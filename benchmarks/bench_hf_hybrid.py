@@ -20,16 +20,24 @@ small warm-up of each path):
   32 tokens): the share of prompt tokens served from the cache, and the
   tokens computed against those a cache-less run would compute.
 
-Each pagedkv backend runs in its own process (``--backends``).
+Each pagedkv backend runs in its own process (``--backends``).  OpenMP waits
+passively (``OMP_WAIT_POLICY=passive`` unless the environment sets it): the host
+backend's OpenMP threads otherwise spin between its calls, which here alternate
+with torch's every layer, and on a 2-core machine that spinning took the cores
+from torch (attention calls of 0.7 ms took 20 ms).
 
     python benchmarks/bench_hf_hybrid.py [--backends host,opencl] [--torch-threads N]
 """
+import os
 import sys
 import time
 
-import numpy as np
+# before any OpenMP runtime starts (see the docstring); the children inherit it
+os.environ.setdefault("OMP_WAIT_POLICY", "passive")
 
-from _common import backends_parser, fmt_table, run_each_backend_alone
+import numpy as np  # noqa: E402
+
+from _common import backends_parser, fmt_table, run_each_backend_alone  # noqa: E402
 
 NUM_PROMPTS, MIN_LEN, MAX_LEN, NEW_TOKENS, STEP_TOKENS = 16, 32, 512, 64, 512
 TURNS, MESSAGE_TOKENS, TURN_TOKENS, PAGE_SIZE, SNAPSHOT_INTERVAL = 8, 24, 16, 16, 32
@@ -143,8 +151,8 @@ def main(argv=None):
     chat = row["chat"]
     print(f"Random Qwen3.5-shaped model (8 layers: 6 gated DeltaNet, 2 attention), "
           f"{NUM_PROMPTS} prompts of {MIN_LEN}-{MAX_LEN} tokens ({row['prompt_tokens']} in all), "
-          f"{NEW_TOKENS} new tokens each, torch threads {row['torch_threads']}; one run each "
-          f"(provisional)")
+          f"{NEW_TOKENS} new tokens each, torch threads {row['torch_threads']}, "
+          f"OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}; one run each (provisional)")
     print(fmt_table(
         ["pagedkv backend", "pagedkv tok/s", "padded generate tok/s", "vs padded",
          "same tokens as padded", f"chat: {TURNS} turns, prefix hit rate",
