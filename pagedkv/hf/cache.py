@@ -40,7 +40,7 @@ from typing import (TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional
                     Tuple, Union, cast)
 
 import numpy as np
-from transformers.cache_utils import Cache, CacheLayerMixin, LinearAttentionCacheLayerMixin
+from transformers.cache_utils import Cache, CacheLayerMixin
 
 import pagedkv
 from pagedkv.hf import recurrent
@@ -48,6 +48,12 @@ from pagedkv.hf.config import UnsupportedModelError, read_model_attention
 
 if TYPE_CHECKING:   # annotations only: torch comes with transformers
     import torch
+
+_LinearLayerBase: Any
+try:    # what transformers' hybrid models expect of a recurrent layer's cache (5.25 tested)
+    from transformers.cache_utils import LinearAttentionCacheLayerMixin as _LinearLayerBase
+except ImportError:     # an older transformers: attention models only (PagedCache says so)
+    _LinearLayerBase = object
 
     from pagedkv.step import StepBatch
 
@@ -157,7 +163,7 @@ class _PagedLayer(CacheLayerMixin):
         return -1
 
 
-class _PagedStateLayer(LinearAttentionCacheLayerMixin):
+class _PagedStateLayer(_LinearLayerBase):
     """A recurrent layer's view of a :class:`PagedCache`: transformers sees a linear-attention
     layer (``Cache.is_linear``), whose state the cache keeps in ``PagedKVCache``'s pool."""
 
@@ -290,6 +296,11 @@ class PagedCache(Cache):
         windows = list(spec.layer_windows) if spec.has_windowed_layers else None
         state_options: Dict[str, Any] = {}
         if spec.is_hybrid:
+            if _LinearLayerBase is object:
+                raise UnsupportedModelError(
+                    f"config.layer_types: {spec.model_type}'s recurrent layers need a "
+                    f"transformers with linear-attention cache layers (5.25 is tested), found "
+                    f"{__import__('transformers').__version__}")
             recurrent.install(spec.model_type)
             # states stay float32 whatever the K/V storage: a recurrence compounds rounding
             state_options = dict(
