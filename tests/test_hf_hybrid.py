@@ -126,6 +126,25 @@ def test_prompts_sharing_a_prefix_reuse_it_across_calls(hybrid, backend):
     assert computed == sum(len(p) - len(SHARED) + NEW_TOKENS - 1 for p in PREFIXED[1:])
 
 
+@pytest.mark.parametrize("family", ["qwen3_5", "granitemoehybrid"])
+def test_a_preempted_request_resumes_with_its_states(family, backend):
+    """Six pages for two requests that grow to nine: the newer one is swapped out
+    (pages and recurrent states to host memory) and resumes where it was."""
+    import pagedkv.hf
+    from pagedkv.hf.generate import make_engine
+    model = tiny_hybrid(family)
+    prompts, new_tokens = [PROMPTS[0], PROMPTS[2]], 20
+    expected = [greedy_with_own_cache(model, p, new_tokens) for p in prompts]
+    cache = pagedkv.hf.PagedCache(model.config, num_pages=6, page_size=8, backend=backend,
+                                  num_state_slots=8)
+    engine = make_engine(model, cache, max_num_batched_tokens=16)
+    ids = [engine.add_request(p, max_new_tokens=new_tokens) for p in prompts]
+    while engine.has_unfinished():
+        engine.step()
+    assert [engine.requests[i].output_ids for i in ids] == expected
+    assert engine.stats.num_swaps >= 1
+
+
 def test_a_packed_step_of_your_own(backend):
     """The engine author's way in: steps appended to ``cache.kv``, the model on each."""
     import torch
