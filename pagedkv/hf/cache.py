@@ -463,7 +463,8 @@ class PagedCache(Cache):
             (``input_ids`` ``[1, num_tokens]``, sequence after sequence as in
             ``batch.seq_ids``), with ``position_ids`` ``[1, num_tokens]``
             holding each token's position in its sequence, and no attention
-            mask.
+            mask.  A hybrid model's recurrent layers advance each sequence's
+            state by its rows of the step (``batch.query_start``).
 
         Examples
         --------
