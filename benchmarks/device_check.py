@@ -9,9 +9,10 @@ it installs what it needs from files brought along, then
    and a read kernel over a buffer many times its cache) and the rate of a
    tiled float32 matrix product (``device_check.cl``);
 3. runs pagedkv's attention there (decode in float16, float32 and int8,
-   prefill, windowed decode, and latent decode once pagedkv has it), each
-   figure a fraction of those ceilings, each result checked against a
-   dense float64 reference (``tests/reference.py``);
+   prefill, windowed decode, latent decode) and a gated delta rule decode
+   step (a hybrid model's recurrent layer, wall time, its state bytes read
+   and written once), each figure a fraction of those ceilings, each result
+   checked against a float64 reference (``tests/reference.py``);
 4. where torch has CUDA, runs the same attention through torch on the GPU:
    SDPA over contiguous K/V with the kernel torch picks, and each SDPA
    backend (FlashAttention among them) that takes the inputs;
@@ -638,6 +639,63 @@ def latent_decode_case(num_seqs, seq_len, repeat, rng, dtype="float16"):
             "max_abs_diff": diff}
 
 
+def recurrent_available():
+    """None when pagedkv has recurrent layers (``layer_states``), else why not."""
+    import pagedkv
+    if "layer_states" in inspect.signature(pagedkv.PagedKVCache).parameters:
+        return None
+    return (f"pagedkv {pagedkv.__version__} has no recurrent layers yet (PagedKVCache takes no "
+            f"layer_states; DESIGN.md's 'Recurrent layers')")
+
+
+#: A Qwen3.5 gated DeltaNet layer's recurrence: 16 k-heads, 32 v-heads of 128 x 128
+#: (a 2 MiB state per sequence).
+DELTA_K_HEADS, DELTA_V_HEADS, DELTA_DIM = 16, 32, 128
+
+
+def delta_rule_decode_case(num_seqs, repeat, rng):
+    """One decode token of ``num_seqs`` sequences through ``gated_delta_rule``: each
+    sequence's state is read and written once (the bytes counted); checked on the
+    first sequence against a float64 step from the state read before it."""
+    import pagedkv
+    shape = (DELTA_V_HEADS, DELTA_DIM, DELTA_DIM)
+    cache = pagedkv.PagedKVCache(1, 1, 16, num_pages=num_seqs * (repeat + 4), page_size=16,
+                                 backend="opencl", num_state_slots=num_seqs,
+                                 layer_states=[pagedkv.StateSpec([shape])])
+    seqs = [cache.add_sequence() for _ in range(num_seqs)]
+    n = num_seqs
+    qk = [rng.standard_normal((n, DELTA_K_HEADS, DELTA_DIM), dtype=np.float32) for _ in "qk"]
+    v = rng.standard_normal((n, DELTA_V_HEADS, DELTA_DIM), dtype=np.float32)
+    g = -rng.random((n, DELTA_V_HEADS), dtype=np.float32)
+    beta = rng.random((n, DELTA_V_HEADS), dtype=np.float32)
+
+    def step():
+        batch = cache.append(seqs, 1)
+        return cache.gated_delta_rule(0, batch, qk[0], qk[1], v, g, beta, qk_l2norm=True,
+                                      state=0)
+    step()
+    wall = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        step()
+        wall = min(wall, time.perf_counter() - t0)
+    (before,) = cache.read_state(0, seqs[0])
+    out = step()
+    S, ref = before.astype(np.float64), np.empty((DELTA_V_HEADS, DELTA_DIM))
+    group = DELTA_V_HEADS // DELTA_K_HEADS
+    for h in range(DELTA_V_HEADS):
+        q0, k0 = (x[0, h // group].astype(np.float64) for x in qk)
+        q0, k0 = (x / np.sqrt(x @ x + 1e-6) for x in (q0, k0))
+        S[h] *= np.exp(g[0, h])
+        S[h] += np.outer(k0, beta[0, h] * (v[0, h] - S[h].T @ k0))
+        ref[h] = S[h].T @ q0 * DELTA_DIM ** -0.5
+    ok, diff = _checked(out[0], ref, "float32")
+    cache = None
+    gc.collect()
+    return {"wall_s": wall, "kernel_s": wall, "bytes": 2 * num_seqs * 4 * int(np.prod(shape)),
+            "correct": ok, "max_abs_diff": diff}
+
+
 def _layout(layout):
     keys = ("kind", "work_group_size", "vector_width", "max_queries", "chunk", "query_tile",
             "key_tile", "column_tile", "stage_k", "stage_v", "merge_work_group_size",
@@ -666,6 +724,10 @@ def attention_cases(sizes, ceilings, report, rng):
     if latent is None:
         plan.append((f"latent decode {B} x {L}, {LATENT_HEADS} heads, float16", "float16",
                      lambda: latent_decode_case(B, L, sizes.repeat, rng)))
+    if recurrent_available() is None:
+        plan.append((f"gated delta rule decode {B} x 1, {DELTA_V_HEADS} heads of "
+                     f"{DELTA_DIM} x {DELTA_DIM} (wall time)", "float32",
+                     lambda: delta_rule_decode_case(B, sizes.repeat, rng)))
     for name, dtype, run in plan:
         if report.left() < 30:
             cases.append({"case": name, "skipped": "the time budget is spent"})

@@ -63,6 +63,8 @@ def test_quick_check_runs_end_to_end(tmp_path):
     assert latent and ("skipped" in latent[0] or latent[0]["correct"])
     if device_check.latent_available() is not None:
         assert "no latent layout" in latent[0]["skipped"]
+    delta = [c for c in checked["cases"] if c["case"].startswith("gated delta rule")]
+    assert delta and delta[0]["correct"] and delta[0]["ratio"] > 0, delta
     # 5. torch's rows (here its code path on the CPU), when torch is installed
     try:
         import torch  # noqa: F401
