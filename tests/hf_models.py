@@ -7,6 +7,9 @@ session's folder (the ``hf_converted_dir`` fixture), so only the first load of
 each converts.  One model object serves both sides of a comparison: its
 attention implementation switches to ``"sdpa"`` for the oracle (:func:`sdpa`).
 
+The hybrid models (recurrent layers beside attention, ``tests/test_hf_hybrid.py``)
+are tiny random ones built from their configs (:func:`tiny_hybrid`): no download.
+
 CI installs the ``hf`` extra, torch and the models; there a missing piece fails
 instead of skipping.
 """
