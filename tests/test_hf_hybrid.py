@@ -7,8 +7,11 @@ greedy tokens of the same model with transformers' own cache, per prompt alone:
 ``model.generate`` on a left-padded batch (padding never reaches a state),
 ``generate_batch`` (continuous batching: ragged steps mixing prefill chunks and
 decodes), and prefix reuse across ``generate_batch`` calls (a state snapshot
-and cached pages stand in for a shared prefix), on every backend.  A hybrid
-model pagedkv cannot serve is an ``UnsupportedModelError`` naming the field.
+and cached pages stand in for a shared prefix), on every backend; a preempted
+request resumes with its swapped-out states; beam search forks them and assisted
+decoding crops them (within ``state_rollback_tokens``), and a pass that fails part
+way leaves none advanced.  A hybrid model pagedkv cannot serve is an
+``UnsupportedModelError`` naming the field.
 """
 import numpy as np
 import pytest
