@@ -290,3 +290,24 @@ def test_opencl_takes_and_gives_device_arrays(device):
                      store.read(1, 0, np.arange(4, dtype=np.int32))])
     for a, c in zip(*outs):
         np.testing.assert_array_equal(a, c)
+
+
+@pytest.mark.parametrize("device", TEST_DEVICES, ids=lambda d: d.id)
+def test_opencl_one_column_per_work_item(device, monkeypatch):
+    """The GPU layout (one state column or channel per work-item) on the test devices,
+    which are CPUs and otherwise take vectors of columns."""
+    from pagedkv.backends import _opencl_recurrent
+    monkeypatch.setenv("PAGEDKV_DEVICE", device.index)
+    monkeypatch.setattr(_opencl_recurrent, "_CPU_VECTOR", 1)
+    d = Delta("opencl", Hk=1, Hv=2, dk=12, dv=24, seed=13)
+    assert d.b._recurrent()._width(24) == 1
+    d.seed_slots([1])
+    step = make_step([5, 1], [1, 2], saves=[(2, 3)])
+    inputs = d.inputs(6)
+    close(d.run(step, inputs), d.expect(step, inputs))
+    d.check_states()
+    c = Conv("opencl", C=10, K=3, seed=13)
+    c.seed_slots([1])
+    x = c.rng.normal(size=(6, c.C)).astype(np.float32)
+    close(c.run(step, x), c.expect(step, x))
+    c.check_states()
