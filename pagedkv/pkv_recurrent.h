@@ -71,10 +71,11 @@ static void pkv_dr_pack(int n, int dk, int dv, int ld, const float *q, const flo
 
 /* n packed tokens (pkv_dr_pack) on one block of columns.
  *
- * S : [dk][PKV_DR_COLS], the block (padding columns are zero and stay zero)
+ * S : [dk][PKV_DR_COLS] rows ls floats apart, the block (padding columns are
+ *     zero and stay zero)
  * vc, oc : the block's first column of token 0, tokens `ld` floats apart
  */
-static void pkv_delta_rule_block(float *restrict S, int dk, int n, const float *qn,
+static void pkv_delta_rule_block(float *restrict S, long ls, int dk, int n, const float *qn,
                                  const float *kn, const float *vc, const float *a,
                                  const float *bt, const float *kq, float *oc, int ld) {
     for (int t = 0; t < n; t++) {
@@ -87,7 +88,7 @@ static void pkv_delta_rule_block(float *restrict S, int dk, int n, const float *
         pkv_vec km[PKV_DR_VECS], qm[PKV_DR_VECS], delta[PKV_DR_VECS];
         for (int x = 0; x < PKV_DR_VECS; x++) km[x] = qm[x] = (pkv_vec){0};
         for (int i = 0; i < dk; i++) {
-            const pkv_vec *row = (const pkv_vec *)(S + i * PKV_DR_COLS);
+            const pkv_vec *row = (const pkv_vec *)(S + i * ls);
             for (int x = 0; x < PKV_DR_VECS; x++) {
                 pkv_vec s = row[x];
                 PKV_IN_REGISTER(s);
@@ -100,13 +101,13 @@ static void pkv_delta_rule_block(float *restrict S, int dk, int n, const float *
             ((pkv_vec *)ot)[x] = at * qm[x] + dot * delta[x];
         }
         for (int i = 0; i < dk; i++) {
-            pkv_vec *row = (pkv_vec *)(S + i * PKV_DR_COLS);
+            pkv_vec *row = (pkv_vec *)(S + i * ls);
             for (int x = 0; x < PKV_DR_VECS; x++) row[x] = at * row[x] + kt[i] * delta[x];
         }
 #else
         float km[PKV_DR_COLS] = {0}, qm[PKV_DR_COLS] = {0}, delta[PKV_DR_COLS];
         for (int i = 0; i < dk; i++) {
-            const float *row = S + i * PKV_DR_COLS;
+            const float *row = S + i * ls;
             for (int j = 0; j < PKV_DR_COLS; j++) {
                 km[j] += row[j] * kt[i];
                 qm[j] += row[j] * qt[i];
@@ -117,7 +118,7 @@ static void pkv_delta_rule_block(float *restrict S, int dk, int n, const float *
             ot[j] = at * qm[j] + dot * delta[j];
         }
         for (int i = 0; i < dk; i++) {
-            float *row = S + i * PKV_DR_COLS;
+            float *row = S + i * ls;
             for (int j = 0; j < PKV_DR_COLS; j++) row[j] = at * row[j] + kt[i] * delta[j];
         }
 #endif
@@ -147,6 +148,13 @@ static void pkv_dr_move(float *restrict pool, float *restrict S, int dk, int dv,
  * head's state while each block walks them. */
 #define PKV_DR_SEGMENT 64
 
+/* Runs of at most this many rows update the state where it lies in the pool
+ * (when dv is a multiple of PKV_DR_COLS): two passes per token over a block
+ * whose rows are dv floats apart cost less than copying the head to scratch
+ * and back, which made a decode step 1.6 times a copy of its states.  Longer
+ * runs copy it: the pool's rows, a power of two apart, share a few L1 sets. */
+#define PKV_DR_IN_PLACE_ROWS 4
+
 /* Floats of scratch pkv_delta_rule_head needs. */
 static inline long pkv_dr_scratch(int dk, int dv) {
     const long ld = (dv + PKV_DR_COLS - 1) / PKV_DR_COLS * PKV_DR_COLS;
@@ -171,12 +179,17 @@ static void pkv_delta_rule_head(float *state, long slot_floats, long head_offset
                                 const float *beta, long gb_stride, float scale, int l2norm,
                                 float *o, float *scratch) {
     const int blocks = (dv + PKV_DR_COLS - 1) / PKV_DR_COLS, ld = blocks * PKV_DR_COLS;
-    float *S = scratch, *qn = S + (long)dk * ld, *kn = qn + PKV_DR_SEGMENT * dk;
+    float *own = state + slot * slot_floats + head_offset;
+    const int in_place = n <= PKV_DR_IN_PLACE_ROWS && dv % PKV_DR_COLS == 0;
+    /* the state: the pool's rows (dv apart), or scratch blocks [blocks][dk][32] */
+    float *S = in_place ? own : scratch;
+    const long ls = in_place ? dv : PKV_DR_COLS, block_floats = in_place ? PKV_DR_COLS
+                                                                        : (long)dk * PKV_DR_COLS;
+    float *qn = scratch + (long)dk * ld, *kn = qn + PKV_DR_SEGMENT * dk;
     float *vc = kn + PKV_DR_SEGMENT * dk, *oc = vc + PKV_DR_SEGMENT * ld;
     float *a = oc + PKV_DR_SEGMENT * ld, *bt = a + PKV_DR_SEGMENT, *kq = bt + PKV_DR_SEGMENT;
-    float *own = state + slot * slot_floats + head_offset;
     int m = 0;
-    pkv_dr_move(own, S, dk, dv, 0);
+    if (!in_place) pkv_dr_move(own, S, dk, dv, 0);
     for (int t = 0; t < n;) {
         /* segments end at save rows, so that the saved state is the state after them */
         int end = t + PKV_DR_SEGMENT < n ? t + PKV_DR_SEGMENT : n;
@@ -186,15 +199,18 @@ static void pkv_delta_rule_head(float *state, long slot_floats, long head_offset
                     v + t * v_stride, v_stride, g + t * gb_stride, beta + t * gb_stride,
                     gb_stride, scale, l2norm, qn, kn, vc, a, bt, kq);
         for (int blk = 0; blk < blocks; blk++)
-            pkv_delta_rule_block(S + (long)blk * dk * PKV_DR_COLS, dk, len, qn, kn,
+            pkv_delta_rule_block(S + blk * block_floats, ls, dk, len, qn, kn,
                                  vc + blk * PKV_DR_COLS, a, bt, kq, oc + blk * PKV_DR_COLS, ld);
         for (int r = 0; r < len; r++)
             memcpy(o + (t + r) * v_stride, oc + (long)r * ld, dv * sizeof(float));
-        for (; m < num_saves && save_rows[m] - row0 + 1 == end; m++)
-            pkv_dr_move(state + save_slots[m] * slot_floats + head_offset, S, dk, dv, 1);
+        for (; m < num_saves && save_rows[m] - row0 + 1 == end; m++) {
+            float *dst = state + save_slots[m] * slot_floats + head_offset;
+            if (in_place) memcpy(dst, own, (size_t)dk * dv * sizeof(float));
+            else pkv_dr_move(dst, S, dk, dv, 1);
+        }
         t = end;
     }
-    pkv_dr_move(own, S, dk, dv, 1);
+    if (!in_place) pkv_dr_move(own, S, dk, dv, 1);
 }
 
 /* -- causal depthwise convolution ------------------------------------------- */

@@ -90,8 +90,9 @@ class Delta:
 
 @pytest.mark.parametrize("group", [1, 2, 4])
 @pytest.mark.parametrize("l2norm", [True, False])
-def test_delta_rule_ragged_step(backend, group, l2norm):
-    d = Delta(backend, Hk=2, Hv=2 * group, l2norm=l2norm)
+@pytest.mark.parametrize("dv", [40, 64])
+def test_delta_rule_ragged_step(backend, group, l2norm, dv):
+    d = Delta(backend, Hk=2, Hv=2 * group, dv=dv, l2norm=l2norm)
     d.seed_slots([3, 0, 5, 7])
     # decode rows, prefill chunks, a sequence without rows (slot -1) and one in a
     # slot of its own that has none this step
