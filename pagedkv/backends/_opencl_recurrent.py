@@ -108,6 +108,8 @@ class OpenCLRecurrences:
 
     def causal_conv1d(self, store: OpenCLStateStore, layer: int, index: int, step: Any,
                       x: Any, weight: Any, bias: Any, silu: bool) -> Any:
+        """``Backend.causal_conv1d``: ``x`` [T, C], ``weight`` [C, K], ``bias`` [C] or
+        None (numpy or pyopencl, float32) -> y [T, C], float32, of ``x``'s kind."""
         b = self.backend
         b._check_process()
         native = b.is_native(x)
@@ -142,6 +144,9 @@ class OpenCLRecurrences:
     def gated_delta_rule(self, store: OpenCLStateStore, layer: int, index: int, step: Any,
                          q: Any, k: Any, v: Any, g: Any, beta: Any, scale: float,
                          l2norm: bool) -> Any:
+        """``Backend.gated_delta_rule``: ``q``, ``k`` [T, Hk, dk], ``v`` [T, Hv, dv],
+        ``g``, ``beta`` [T, Hv] (numpy or pyopencl, float32) -> o [T, Hv, dv],
+        float32, of ``q``'s kind."""
         b = self.backend
         b._check_process()
         native = b.is_native(q)
