@@ -313,3 +313,139 @@ __kernel void gated_delta_rule(__global const float* q, __global const float* k,
     for (int i = 0; i < PKV_DK; ++i) PKV_STORE(s[i], own + (ulong)i * (ulong)v_dim);
 }
 #endif
+
+#if defined(PKV_DK) && defined(PKV_DV)
+/* The delta rule on a CPU device: the host kernel's form (pagedkv/pkv_recurrent.h)
+ * in OpenCL C.  One work-item per (sequence, v-head) holds the head's state
+ * as blocks of 32 columns, [PKV_DK][4] float8 each (16 KiB at k_dim 128, in
+ * L1), and walks segments of up to PKV_DR_SEGMENT rows block by block, so
+ * that each block stays in cache for the segment and the segment's rows for
+ * the blocks.  The 32 columns are four float8 in registers (left to the
+ * compiler, a loop over them kept its sums in memory).  The column form
+ * above, one item per vector of columns, went through every row once per
+ * column vector and ran at half this rate on PoCL.  Arguments as
+ * gated_delta_rule's. */
+#define PKV_DR_BLOCKS ((PKV_DV + 31) / 32)
+#define PKV_DR_SEGMENT 64
+
+/* A block's 32 columns of row i of a head's state (dv floats a row) from
+ * column c0, zero past dv: four float8. */
+inline float8 pkv_dr_load8(__global const float* row, int c) {
+    if (c + 8 <= PKV_DV) return vload8(0, row + c);
+    float lanes[8];
+    for (int l = 0; l < 8; ++l) lanes[l] = c + l < PKV_DV ? row[c + l] : 0.0f;
+    return vload8(0, lanes);
+}
+
+inline void pkv_dr_store8(__global float* row, int c, float8 x) {
+    if (c + 8 <= PKV_DV) {
+        vstore8(x, 0, row + c);
+        return;
+    }
+    float lanes[8];
+    vstore8(x, 0, lanes);
+    for (int l = 0; l < 8 && c + l < PKV_DV; ++l) row[c + l] = lanes[l];
+}
+
+__kernel void gated_delta_rule_heads(__global const float* q, __global const float* k,
+                                     __global const float* v, __global const float* g,
+                                     __global const float* beta, __global const float* norms,
+                                     __global float* state, __global const int* query_start,
+                                     __global const int* slots, __global const int* save_start,
+                                     __global const int* save_rows,
+                                     __global const int* save_slots, __global float* out,
+                                     const int num_seqs, const int num_k_heads,
+                                     const int num_v_heads, const int v_dim, const float scale,
+                                     const int l2norm, const int num_slots) {
+    const ulong gid = get_global_id(0);
+    const ulong b = gid / (ulong)num_v_heads;
+    if (b >= (ulong)num_seqs) return;
+    const int h = (int)(gid - b * (ulong)num_v_heads);
+    const int r0 = query_start[b], n = query_start[b + 1] - r0;
+    if (n <= 0) return;
+    const int slot = slots[b];
+    if (slot < 0 || slot >= num_slots) return;
+    const int kh = h / (num_v_heads / num_k_heads);
+    const ulong head_floats = (ulong)PKV_DK * PKV_DV;
+    const ulong slot_floats = (ulong)num_v_heads * head_floats;
+    __global float* own = state + (ulong)slot * slot_floats + (ulong)h * head_floats;
+    float8 S[PKV_DR_BLOCKS][PKV_DK][4];
+    for (int blk = 0; blk < PKV_DR_BLOCKS; ++blk)
+        for (int i = 0; i < PKV_DK; ++i)
+            for (int x = 0; x < 4; ++x)
+                S[blk][i][x] = pkv_dr_load8(own + (ulong)i * PKV_DV, blk * 32 + 8 * x);
+    int m = save_start[b];
+    const int m_end = save_start[b + 1];
+    for (int t0 = 0; t0 < n;) {
+        /* segments end at save rows, so that the saved state is the state after them */
+        int t1 = min(t0 + PKV_DR_SEGMENT, n);
+        if (m < m_end) t1 = min(t1, save_rows[m] - r0 + 1);
+        for (int blk = 0; blk < PKV_DR_BLOCKS; ++blk) {
+            for (int t = t0; t < t1; ++t) {
+                const ulong row = (ulong)(r0 + t);
+                const ulong kr = row * (ulong)num_k_heads + kh;
+                __global const float* qt = q + kr * PKV_DK;
+                __global const float* kt = k + kr * PKV_DK;
+                const float k_mul = l2norm ? norms[2 * kr] : 1.0f;
+                const float q_mul = l2norm ? scale * norms[2 * kr + 1] : scale;
+                const ulong vh = row * (ulong)num_v_heads + h;
+                const float a = exp(g[vh]), bt = beta[vh];
+                float8 km0 = (float8)(0.0f), km1 = km0, km2 = km0, km3 = km0;
+                float8 qm0 = km0, qm1 = km0, qm2 = km0, qm3 = km0;
+                float kq = 0.0f;
+                for (int i = 0; i < PKV_DK; ++i) {
+                    const float ki = kt[i], qi = qt[i];
+                    kq += ki * qi;
+                    const float8 s0 = S[blk][i][0], s1 = S[blk][i][1];
+                    const float8 s2 = S[blk][i][2], s3 = S[blk][i][3];
+                    km0 += s0 * ki;
+                    km1 += s1 * ki;
+                    km2 += s2 * ki;
+                    km3 += s3 * ki;
+                    qm0 += s0 * qi;
+                    qm1 += s1 * qi;
+                    qm2 += s2 * qi;
+                    qm3 += s3 * qi;
+                }
+                /* o = S_new^T q = exp(g) S^T q + (k . q) delta, norms and scale applied;
+                 * S += (k_mul k) delta^T = k (k_mul delta)^T */
+                __global const float* vt = v + vh * (ulong)PKV_DV;
+                __global float* ot = out + vh * (ulong)PKV_DV;
+                const float kqm = k_mul * kq;
+                const int c0 = blk * 32;
+                const float8 d0 = bt * (pkv_dr_load8(vt, c0) - a * k_mul * km0);
+                const float8 d1 = bt * (pkv_dr_load8(vt, c0 + 8) - a * k_mul * km1);
+                const float8 d2 = bt * (pkv_dr_load8(vt, c0 + 16) - a * k_mul * km2);
+                const float8 d3 = bt * (pkv_dr_load8(vt, c0 + 24) - a * k_mul * km3);
+                pkv_dr_store8(ot, c0, q_mul * (a * qm0 + kqm * d0));
+                pkv_dr_store8(ot, c0 + 8, q_mul * (a * qm1 + kqm * d1));
+                pkv_dr_store8(ot, c0 + 16, q_mul * (a * qm2 + kqm * d2));
+                pkv_dr_store8(ot, c0 + 24, q_mul * (a * qm3 + kqm * d3));
+                const float8 kd0 = k_mul * d0, kd1 = k_mul * d1, kd2 = k_mul * d2;
+                const float8 kd3 = k_mul * d3;
+                for (int i = 0; i < PKV_DK; ++i) {
+                    const float ki = kt[i];
+                    S[blk][i][0] = a * S[blk][i][0] + ki * kd0;
+                    S[blk][i][1] = a * S[blk][i][1] + ki * kd1;
+                    S[blk][i][2] = a * S[blk][i][2] + ki * kd2;
+                    S[blk][i][3] = a * S[blk][i][3] + ki * kd3;
+                }
+            }
+        }
+        for (; m < m_end && save_rows[m] - r0 + 1 == t1; ++m) {
+            const int sv = save_slots[m];
+            if (sv < 0 || sv >= num_slots) continue;
+            __global float* dst = state + (ulong)sv * slot_floats + (ulong)h * head_floats;
+            for (int blk = 0; blk < PKV_DR_BLOCKS; ++blk)
+                for (int i = 0; i < PKV_DK; ++i)
+                    for (int x = 0; x < 4; ++x)
+                        pkv_dr_store8(dst + (ulong)i * PKV_DV, blk * 32 + 8 * x, S[blk][i][x]);
+        }
+        t0 = t1;
+    }
+    for (int blk = 0; blk < PKV_DR_BLOCKS; ++blk)
+        for (int i = 0; i < PKV_DK; ++i)
+            for (int x = 0; x < 4; ++x)
+                pkv_dr_store8(own + (ulong)i * PKV_DV, blk * 32 + 8 * x, S[blk][i][x]);
+}
+#endif

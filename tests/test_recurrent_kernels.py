@@ -296,10 +296,12 @@ def test_opencl_takes_and_gives_device_arrays(device):
 @pytest.mark.parametrize("device", TEST_DEVICES, ids=lambda d: d.id)
 def test_opencl_one_column_per_work_item(device, monkeypatch):
     """The GPU layout (one state column or channel per work-item) on the test devices,
-    which are CPUs and otherwise take vectors of columns."""
+    which are CPUs and otherwise take a head (the delta rule) or a vector of
+    channels per work-item."""
     from pagedkv.backends import _opencl_recurrent
     monkeypatch.setenv("PAGEDKV_DEVICE", device.index)
     monkeypatch.setattr(_opencl_recurrent, "_CPU_VECTOR", 1)
+    monkeypatch.setattr(_opencl_recurrent, "_CPU_HEADS", False)
     d = Delta("opencl", Hk=1, Hv=2, dk=12, dv=24, seed=13)
     assert d.b._recurrent()._width(24) == 1
     d.seed_slots([1])

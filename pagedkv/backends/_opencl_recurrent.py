@@ -31,6 +31,14 @@ _WORK_GROUP = 64
 # of recurrent.cl, 1,060 ms without; float16 vectors draw ABI warnings on AVX2).
 _CPU_VECTOR = 8
 _CPU_WORK_GROUP = 4
+# On a CPU device a step whose longest run has more rows than this runs
+# gated_delta_rule_heads, one work-item per (sequence, head) in the host
+# kernel's form, which holds a head's state in private memory (recurrent.cl
+# says why); shorter runs (decode) update the state where it lies, a vector
+# of columns per work-item (PoCL 3.1: decode of 32 x 32 heads of 128 x 128,
+# 8.9 ms against 18.8 ms by heads; a 2,048-row prefill, 222 ms against 389).
+_CPU_HEADS = True
+_HEADS_MIN_ROWS = 4
 
 
 class OpenCLRecurrences:
@@ -52,8 +60,10 @@ class OpenCLRecurrences:
             width //= 2
         return width
 
-    def _kernel(self, name: str, width: int = 1, k_dim: Optional[int] = None) -> Any:
-        options = (f"-DPKV_W={width}",) + (() if k_dim is None else (f"-DPKV_DK={k_dim}",))
+    def _kernel(self, name: str, width: int = 1, k_dim: Optional[int] = None,
+                v_dim: Optional[int] = None) -> Any:
+        options = (f"-DPKV_W={width}",) + (() if k_dim is None else (f"-DPKV_DK={k_dim}",)) + \
+            (() if v_dim is None else (f"-DPKV_DV={v_dim}",))
         return build_program(self.backend.context, "recurrent.cl", options)[name]
 
     def _step_buffers(self, s: StateStep) -> Dict[str, Any]:
@@ -70,8 +80,8 @@ class OpenCLRecurrences:
         return buffers
 
     def _launch(self, kernel: Any, num_work_items: int, wait_for: List[Any],
-                **args: Any) -> "pyopencl.Event":
-        wg = self._wg
+                work_group: Optional[int] = None, **args: Any) -> "pyopencl.Event":
+        wg = work_group or self._wg
         return kernel(self.backend.queue, (-(-num_work_items // wg) * wg,), (wg,),
                       wait_for=wait_for, **args)
 
@@ -169,14 +179,20 @@ class OpenCLRecurrences:
         out_d = self._output(native, tuple(v.shape))
         t = self._step_buffers(s)
         num_seqs = len(s.query_start) - 1
-        width = self._width(v_dim)
-        event = self._launch(
-            self._kernel("gated_delta_rule", width, k_dim), num_seqs * num_v_heads * v_dim // width,
-            wait, **device, norms=norms, state=store.buffer(layer, index),
-            query_start=t["query_start"],
-            slots=t["slots"], save_start=t["save_start"], save_rows=t["save_rows"],
-            save_slots=t["save_slots"], out=out_d, num_seqs=num_seqs, num_k_heads=num_k_heads,
-            num_v_heads=num_v_heads, v_dim=v_dim, scale=float(scale), l2norm=int(bool(l2norm)),
-            num_slots=store.num_slots)
+        args = dict(device, norms=norms, state=store.buffer(layer, index),
+                    query_start=t["query_start"], slots=t["slots"], save_start=t["save_start"],
+                    save_rows=t["save_rows"], save_slots=t["save_slots"], out=out_d,
+                    num_seqs=num_seqs, num_k_heads=num_k_heads, num_v_heads=num_v_heads,
+                    v_dim=v_dim, scale=float(scale), l2norm=int(bool(l2norm)),
+                    num_slots=store.num_slots)
+        longest = int(np.diff(s.query_start).max())
+        if self._cpu and _CPU_HEADS and longest > _HEADS_MIN_ROWS:
+            # one work-item per (sequence, head), each a work-group of its own
+            event = self._launch(self._kernel("gated_delta_rule_heads", 1, k_dim, v_dim),
+                                 num_seqs * num_v_heads, wait, 1, **args)
+        else:                          # one per (sequence, head, vector of columns)
+            width = self._width(v_dim)
+            event = self._launch(self._kernel("gated_delta_rule", width, k_dim),
+                                 num_seqs * num_v_heads * v_dim // width, wait, **args)
         return self._finish(native, out_d, (num_rows, num_v_heads, v_dim), event,
                             (q, k, v, g, beta))
