@@ -204,23 +204,28 @@ __kernel void conv_states(__global const float* x, __global float* state,
 
 /* -- gated delta rule ----------------------------------------------------------------- */
 
-/* norms[row, h] = (1 / |k| , 1 / |q|) of row `row`, k-head h, each
- * 1 / sqrt(sum(x^2) + eps): once per row and k-head, not once per state
- * column.  q, k [T, num_k_heads, k_dim]; norms [T, num_k_heads, 2]. */
-__kernel void l2_inverse_norms(__global const float* q, __global const float* k,
-                               __global float* norms, const int num_rows,
-                               const int num_k_heads, const int k_dim) {
+/* stats[row, h] = (1 / |k|, 1 / |q|, k . q) of row `row`, k-head h: the norms
+ * 1 / sqrt(sum(x^2) + eps) when l2norm (else 1), once per row and k-head
+ * rather than once per state column (and k . q, which the per-head form's
+ * output takes, out of its inner loop, where the sum's chain of dependent
+ * multiply-adds set the pace).  q, k [T, num_k_heads, k_dim]; stats
+ * [T, num_k_heads, 3]. */
+__kernel void qk_row_stats(__global const float* q, __global const float* k,
+                           __global float* stats, const int num_rows, const int num_k_heads,
+                           const int k_dim, const int l2norm) {
     const ulong gid = get_global_id(0);
     if (gid >= (ulong)num_rows * (ulong)num_k_heads) return;
     __global const float* qr = q + gid * (ulong)k_dim;
     __global const float* kr = k + gid * (ulong)k_dim;
-    float qq = 0.0f, kk = 0.0f;
+    float qq = 0.0f, kk = 0.0f, kq = 0.0f;
     for (int i = 0; i < k_dim; ++i) {
         qq += qr[i] * qr[i];
         kk += kr[i] * kr[i];
+        kq += kr[i] * qr[i];
     }
-    norms[2 * gid] = rsqrt(kk + PKV_L2NORM_EPS);
-    norms[2 * gid + 1] = rsqrt(qq + PKV_L2NORM_EPS);
+    stats[3 * gid] = l2norm ? rsqrt(kk + PKV_L2NORM_EPS) : 1.0f;
+    stats[3 * gid + 1] = l2norm ? rsqrt(qq + PKV_L2NORM_EPS) : 1.0f;
+    stats[3 * gid + 2] = kq;
 }
 
 #ifdef PKV_DK
@@ -229,18 +234,18 @@ __kernel void l2_inverse_norms(__global const float* q, __global const float* k,
  *   q, k optionally L2-normalised (their k-head h / (num_v_heads / num_k_heads));
  *   S *= exp(g); delta = beta * (v - S^T k); S += k delta^T; o = S^T (scale q).
  * q, k [T, num_k_heads, PKV_DK]; v, out [T, num_v_heads, v_dim]; g, beta
- * [T, num_v_heads]; norms [T, num_k_heads, 2] (l2_inverse_norms; read when
- * l2norm), which scale the columns' sums instead of q and k.  v_dim is a
+ * [T, num_v_heads]; stats [T, num_k_heads, 3] (qk_row_stats), whose norms
+ * scale the columns' sums instead of q and k.  v_dim is a
  * multiple of PKV_W. */
 __kernel void gated_delta_rule(__global const float* q, __global const float* k,
                                __global const float* v, __global const float* g,
-                               __global const float* beta, __global const float* norms,
+                               __global const float* beta, __global const float* stats,
                                __global float* state, __global const int* query_start,
                                __global const int* slots, __global const int* save_start,
                                __global const int* save_rows, __global const int* save_slots,
                                __global float* out, const int num_seqs, const int num_k_heads,
                                const int num_v_heads, const int v_dim, const float scale,
-                               const int l2norm, const int num_slots) {
+                               const int num_slots) {
     const ulong gid = get_global_id(0);
     const int groups = v_dim / PKV_W;
     const ulong column = gid / (ulong)groups;
@@ -266,8 +271,7 @@ __kernel void gated_delta_rule(__global const float* q, __global const float* k,
         const ulong kr = row * (ulong)num_k_heads + kh;
         __global const float* qt = q + kr * PKV_DK;
         __global const float* kt = k + kr * PKV_DK;
-        const float k_mul = l2norm ? norms[2 * kr] : 1.0f;
-        const float q_mul = l2norm ? scale * norms[2 * kr + 1] : scale;
+        const float k_mul = stats[3 * kr], q_mul = scale * stats[3 * kr + 1];
         const ulong vh = row * (ulong)num_v_heads + h;
         const float a = exp(g[vh]);
         /* four partial sums: a single chain of PKV_DK dependent multiply-adds
@@ -318,18 +322,19 @@ __kernel void gated_delta_rule(__global const float* q, __global const float* k,
 /* The delta rule on a CPU device: the host kernel's form (pagedkv/pkv_recurrent.h)
  * in OpenCL C.  One work-item per (sequence, v-head) holds the head's state
  * as blocks of 32 columns, [PKV_DK][4] float8 each (16 KiB at k_dim 128, in
- * L1), and walks segments of up to PKV_DR_SEGMENT rows block by block, so
- * that each block stays in cache for the segment and the segment's rows for
- * the blocks.  The 32 columns are four float8 in registers (left to the
- * compiler, a loop over them kept its sums in memory).  The column form
- * above, one item per vector of columns, went through every row once per
- * column vector and ran at half this rate on PoCL.  Arguments as
+ * L1), and walks segments of up to PKV_DR_SEGMENT rows (cut at save rows):
+ * it copies the segment's q, k and v rows and per-row scalars into private
+ * arrays, then runs each block over the segment, so that a block stays in
+ * cache for the segment and the segment's rows for the blocks.  The 32
+ * columns are four float8 in registers (left to the compiler, a loop over
+ * them kept its sums in memory).  PoCL 3.1, 2 cores, a 2,048-row prefill of
+ * 32 heads of 128 x 128: 105 ms; the column form above, which goes through
+ * every row once per vector of columns, 360 ms.  Arguments as
  * gated_delta_rule's. */
 #define PKV_DR_BLOCKS ((PKV_DV + 31) / 32)
-#define PKV_DR_SEGMENT 64
+#define PKV_DR_SEGMENT 32
 
-/* A block's 32 columns of row i of a head's state (dv floats a row) from
- * column c0, zero past dv: four float8. */
+/* Columns c..c+7 of a row of PKV_DV floats, zero past its end; and back. */
 inline float8 pkv_dr_load8(__global const float* row, int c) {
     if (c + 8 <= PKV_DV) return vload8(0, row + c);
     float lanes[8];
@@ -349,14 +354,14 @@ inline void pkv_dr_store8(__global float* row, int c, float8 x) {
 
 __kernel void gated_delta_rule_heads(__global const float* q, __global const float* k,
                                      __global const float* v, __global const float* g,
-                                     __global const float* beta, __global const float* norms,
+                                     __global const float* beta, __global const float* stats,
                                      __global float* state, __global const int* query_start,
                                      __global const int* slots, __global const int* save_start,
                                      __global const int* save_rows,
                                      __global const int* save_slots, __global float* out,
                                      const int num_seqs, const int num_k_heads,
                                      const int num_v_heads, const int v_dim, const float scale,
-                                     const int l2norm, const int num_slots) {
+                                     const int num_slots) {
     const ulong gid = get_global_id(0);
     const ulong b = gid / (ulong)num_v_heads;
     if (b >= (ulong)num_seqs) return;
@@ -370,6 +375,8 @@ __kernel void gated_delta_rule_heads(__global const float* q, __global const flo
     const ulong slot_floats = (ulong)num_v_heads * head_floats;
     __global float* own = state + (ulong)slot * slot_floats + (ulong)h * head_floats;
     float8 S[PKV_DR_BLOCKS][PKV_DK][4];
+    float qs[PKV_DR_SEGMENT][PKV_DK], ks[PKV_DR_SEGMENT][PKV_DK];
+    float vs[PKV_DR_SEGMENT][PKV_DR_BLOCKS * 32], rs[PKV_DR_SEGMENT][5];
     for (int blk = 0; blk < PKV_DR_BLOCKS; ++blk)
         for (int i = 0; i < PKV_DK; ++i)
             for (int x = 0; x < 4; ++x)
@@ -380,22 +387,38 @@ __kernel void gated_delta_rule_heads(__global const float* q, __global const flo
         /* segments end at save rows, so that the saved state is the state after them */
         int t1 = min(t0 + PKV_DR_SEGMENT, n);
         if (m < m_end) t1 = min(t1, save_rows[m] - r0 + 1);
+        /* the segment's q, k and v rows, copied once for all blocks: in the step
+         * they lie a whole step row apart, and the copy's independent loads
+         * overlap where the blocks' loads, inside the arithmetic, waited */
+        for (int t = t0; t < t1; ++t) {
+            const ulong kr = (ulong)(r0 + t) * (ulong)num_k_heads + kh;
+            const ulong vh = (ulong)(r0 + t) * (ulong)num_v_heads + h;
+            for (int i = 0; i < PKV_DK; ++i) {
+                qs[t - t0][i] = q[kr * PKV_DK + i];
+                ks[t - t0][i] = k[kr * PKV_DK + i];
+            }
+            for (int c = 0; c < PKV_DR_BLOCKS * 32; ++c)
+                vs[t - t0][c] = c < PKV_DV ? v[vh * (ulong)PKV_DV + c] : 0.0f;
+            /* and the token's scalars: exp(g), beta, the norms (q's with the scale) and
+             * the norms' k . q */
+            const float k_mul = stats[3 * kr];
+            rs[t - t0][0] = exp(g[vh]);
+            rs[t - t0][1] = beta[vh];
+            rs[t - t0][2] = k_mul;
+            rs[t - t0][3] = scale * stats[3 * kr + 1];
+            rs[t - t0][4] = k_mul * stats[3 * kr + 2];
+        }
         for (int blk = 0; blk < PKV_DR_BLOCKS; ++blk) {
             for (int t = t0; t < t1; ++t) {
-                const ulong row = (ulong)(r0 + t);
-                const ulong kr = row * (ulong)num_k_heads + kh;
-                __global const float* qt = q + kr * PKV_DK;
-                __global const float* kt = k + kr * PKV_DK;
-                const float k_mul = l2norm ? norms[2 * kr] : 1.0f;
-                const float q_mul = l2norm ? scale * norms[2 * kr + 1] : scale;
-                const ulong vh = row * (ulong)num_v_heads + h;
-                const float a = exp(g[vh]), bt = beta[vh];
+                const ulong vh = (ulong)(r0 + t) * (ulong)num_v_heads + h;
+                const float* qt = qs[t - t0];
+                const float* kt = ks[t - t0];
+                const float a = rs[t - t0][0], bt = rs[t - t0][1], k_mul = rs[t - t0][2];
+                const float q_mul = rs[t - t0][3], kqm = rs[t - t0][4];
                 float8 km0 = (float8)(0.0f), km1 = km0, km2 = km0, km3 = km0;
                 float8 qm0 = km0, qm1 = km0, qm2 = km0, qm3 = km0;
-                float kq = 0.0f;
                 for (int i = 0; i < PKV_DK; ++i) {
                     const float ki = kt[i], qi = qt[i];
-                    kq += ki * qi;
                     const float8 s0 = S[blk][i][0], s1 = S[blk][i][1];
                     const float8 s2 = S[blk][i][2], s3 = S[blk][i][3];
                     km0 += s0 * ki;
@@ -409,14 +432,13 @@ __kernel void gated_delta_rule_heads(__global const float* q, __global const flo
                 }
                 /* o = S_new^T q = exp(g) S^T q + (k . q) delta, norms and scale applied;
                  * S += (k_mul k) delta^T = k (k_mul delta)^T */
-                __global const float* vt = v + vh * (ulong)PKV_DV;
+                const float* vt = vs[t - t0] + blk * 32;
                 __global float* ot = out + vh * (ulong)PKV_DV;
-                const float kqm = k_mul * kq;
                 const int c0 = blk * 32;
-                const float8 d0 = bt * (pkv_dr_load8(vt, c0) - a * k_mul * km0);
-                const float8 d1 = bt * (pkv_dr_load8(vt, c0 + 8) - a * k_mul * km1);
-                const float8 d2 = bt * (pkv_dr_load8(vt, c0 + 16) - a * k_mul * km2);
-                const float8 d3 = bt * (pkv_dr_load8(vt, c0 + 24) - a * k_mul * km3);
+                const float8 d0 = bt * (vload8(0, vt) - a * k_mul * km0);
+                const float8 d1 = bt * (vload8(1, vt) - a * k_mul * km1);
+                const float8 d2 = bt * (vload8(2, vt) - a * k_mul * km2);
+                const float8 d3 = bt * (vload8(3, vt) - a * k_mul * km3);
                 pkv_dr_store8(ot, c0, q_mul * (a * qm0 + kqm * d0));
                 pkv_dr_store8(ot, c0 + 8, q_mul * (a * qm1 + kqm * d1));
                 pkv_dr_store8(ot, c0 + 16, q_mul * (a * qm2 + kqm * d2));

@@ -170,21 +170,19 @@ class OpenCLRecurrences:
         for name, array in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
             device[name], events = b._device_f32(array, name)
             wait += events
-        norms = b._placeholder
-        if l2norm:   # 1/|k| and 1/|q| once per row and k-head
-            norms = b._work_buffer("recurrent_norms", 2 * num_rows * num_k_heads)
-            wait = [self._launch(self._kernel("l2_inverse_norms"), num_rows * num_k_heads, wait,
-                                 q=device["q"], k=device["k"], norms=norms, num_rows=num_rows,
-                                 num_k_heads=num_k_heads, k_dim=k_dim)]
+        # 1/|k|, 1/|q| (l2norm; else 1) and k . q once per row and k-head
+        stats = b._work_buffer("recurrent_qk_stats", 3 * num_rows * num_k_heads)
+        wait = [self._launch(self._kernel("qk_row_stats"), num_rows * num_k_heads, wait,
+                             q=device["q"], k=device["k"], stats=stats, num_rows=num_rows,
+                             num_k_heads=num_k_heads, k_dim=k_dim, l2norm=int(bool(l2norm)))]
         out_d = self._output(native, tuple(v.shape))
         t = self._step_buffers(s)
         num_seqs = len(s.query_start) - 1
-        args = dict(device, norms=norms, state=store.buffer(layer, index),
+        args = dict(device, stats=stats, state=store.buffer(layer, index),
                     query_start=t["query_start"], slots=t["slots"], save_start=t["save_start"],
                     save_rows=t["save_rows"], save_slots=t["save_slots"], out=out_d,
                     num_seqs=num_seqs, num_k_heads=num_k_heads, num_v_heads=num_v_heads,
-                    v_dim=v_dim, scale=float(scale), l2norm=int(bool(l2norm)),
-                    num_slots=store.num_slots)
+                    v_dim=v_dim, scale=float(scale), num_slots=store.num_slots)
         longest = int(np.diff(s.query_start).max())
         if self._cpu and _CPU_HEADS and longest > _HEADS_MIN_ROWS:
             # one work-item per (sequence, head), each a work-group of its own
