@@ -217,8 +217,20 @@ __kernel void qk_row_stats(__global const float* q, __global const float* k,
     if (gid >= (ulong)num_rows * (ulong)num_k_heads) return;
     __global const float* qr = q + gid * (ulong)k_dim;
     __global const float* kr = k + gid * (ulong)k_dim;
-    float qq = 0.0f, kk = 0.0f, kq = 0.0f;
-    for (int i = 0; i < k_dim; ++i) {
+    /* by float4: three chains of k_dim dependent multiply-adds per row were a
+     * twentieth of a PoCL prefill's time */
+    float4 qq4 = (float4)(0.0f), kk4 = qq4, kq4 = qq4;
+    int i = 0;
+    for (; i + 4 <= k_dim; i += 4) {
+        const float4 qv = vload4(0, qr + i), kv = vload4(0, kr + i);
+        qq4 += qv * qv;
+        kk4 += kv * kv;
+        kq4 += kv * qv;
+    }
+    float qq = (qq4.s0 + qq4.s1) + (qq4.s2 + qq4.s3);
+    float kk = (kk4.s0 + kk4.s1) + (kk4.s2 + kk4.s3);
+    float kq = (kq4.s0 + kq4.s1) + (kq4.s2 + kq4.s3);
+    for (; i < k_dim; ++i) {
         qq += qr[i] * qr[i];
         kk += kr[i] * kr[i];
         kq += kr[i] * qr[i];
