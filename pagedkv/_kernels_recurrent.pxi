@@ -4,22 +4,21 @@
 # advancing each sequence's state in its slot of the state store in place
 # (pagedkv/backends/state_store.py), copying it into save slots after the
 # save rows.  The inner loops are C (pkv_recurrent.h, which says why they
-# are cut as they are); here are the work items, one per (sequence, head,
-# block of state columns) or (sequence, block of channels), spread by OpenMP.
+# are cut as they are); here are the work items, one per (sequence, v-head)
+# or (sequence, block of channels), spread by OpenMP.
 
 cdef extern from "pkv_recurrent.h" nogil:
-    enum:
-        PKV_DR_COLS, PKV_CONV_COLS
-    void pkv_delta_rule_block(float* S, int dk, int ncols, int t0, int t1, const float* q,
-                              const float* k, long qk_stride, const float* v, long v_stride,
-                              const float* g, const float* beta, long gb_stride, float scale,
-                              int l2norm, float* o, long o_stride, float* qn, float* kn)
-    void pkv_dr_move(float* pool, long stride, float* S, int dk, int ncols, int to_pool)
-    void pkv_conv_block(const float* x, long x_stride, const float* wt, const float* bias,
-                        const float* hist, int K, int cols, int t0, int t1, int silu, float* y,
-                        long y_stride)
-    void pkv_conv_state(const float* x, long x_stride, const float* hist, int K, int cols,
-                        int t_next, float* dst)
+    long pkv_dr_scratch(int dk, int dv)
+    void pkv_delta_rule_head(float* state, long slot_floats, long head_offset, int slot,
+                             int num_saves, const int32_t* save_rows, const int32_t* save_slots,
+                             int row0, int n, int dk, int dv, const float* q, const float* k,
+                             long qk_stride, const float* v, long v_stride, const float* g,
+                             const float* beta, long gb_stride, float scale, int l2norm,
+                             float* o, float* scratch)
+    void pkv_conv_rows(const float* x, const float* hist, const float* wt, const float* bias,
+                       int C, int K, int t0, int t1, int silu, float* y)
+    void pkv_conv_state(const float* x, const float* hist, int C, int K, int t_next,
+                        float* dst)
 
 
 cdef struct RaggedStep:
@@ -51,48 +50,26 @@ cdef struct DeltaArgs:
     const float* g          # [T, Hv]
     const float* beta       # [T, Hv]
     float* out              # [T, Hv, dv]
-    int Hk, Hv, dk, dv, blocks, l2norm
+    int Hk, Hv, dk, dv, l2norm
     float scale
 
 
 cdef void delta_rule_item(const RaggedStep* step, const DeltaArgs* a, Py_ssize_t item,
                           float* scratch) noexcept nogil:
-    """One (sequence, v-head, block of PKV_DR_COLS state columns): its rows token by
-    token, the block held in ``scratch`` ([dk][PKV_DR_COLS], then qn and kn)."""
-    cdef int block = item % a.blocks
-    cdef int h = (item // a.blocks) % a.Hv
-    cdef int b = item // a.blocks // a.Hv
+    """One (sequence, v-head): its rows token by token (pkv_delta_rule_head)."""
+    cdef int h = item % a.Hv, b = item // a.Hv
     cdef int r0 = step.query_start[b], n = step.query_start[b + 1] - r0
     if n == 0:
         return
-    cdef int dk = a.dk, dv = a.dv, c0 = block * PKV_DR_COLS
-    cdef int ncols = min(PKV_DR_COLS, dv - c0)
-    cdef int kh = h // (a.Hv // a.Hk)
-    cdef long slot_floats = <long>a.Hv * dk * dv
-    cdef long head_offset = <long>h * dk * dv + c0
-    cdef float* S = scratch
-    cdef float* qn = scratch + dk * PKV_DR_COLS
-    cdef float* kn = qn + dk
-    cdef const float* q = a.q + (<long>r0 * a.Hk + kh) * dk
-    cdef const float* k = a.k + (<long>r0 * a.Hk + kh) * dk
-    cdef const float* v = a.v + (<long>r0 * a.Hv + h) * dv + c0
-    cdef float* o = a.out + (<long>r0 * a.Hv + h) * dv + c0
-    cdef const float* g = a.g + <long>r0 * a.Hv + h
-    cdef const float* beta = a.beta + <long>r0 * a.Hv + h
-    cdef float* own = a.state + step.slots[b] * slot_floats + head_offset
-    cdef int t = 0, m, row
-    pkv_dr_move(own, dv, S, dk, ncols, 0)
-    for m in range(step.save_start[b], step.save_start[b + 1]):
-        row = step.save_rows[m] - r0
-        pkv_delta_rule_block(S, dk, ncols, t, row + 1, q, k, <long>a.Hk * dk, v,
-                             <long>a.Hv * dv, g, beta, a.Hv, a.scale, a.l2norm, o,
-                             <long>a.Hv * dv, qn, kn)
-        t = row + 1
-        pkv_dr_move(a.state + step.save_slots[m] * slot_floats + head_offset, dv, S, dk,
-                    ncols, 1)
-    pkv_delta_rule_block(S, dk, ncols, t, n, q, k, <long>a.Hk * dk, v, <long>a.Hv * dv, g,
-                         beta, a.Hv, a.scale, a.l2norm, o, <long>a.Hv * dv, qn, kn)
-    pkv_dr_move(own, dv, S, dk, ncols, 1)
+    cdef int dk = a.dk, dv = a.dv, kh = h // (a.Hv // a.Hk)
+    cdef int m0 = step.save_start[b], num_saves = step.save_start[b + 1] - m0
+    pkv_delta_rule_head(
+        a.state, <long>a.Hv * dk * dv, <long>h * dk * dv, step.slots[b], num_saves,
+        step.save_rows + m0 if num_saves else NULL, step.save_slots + m0 if num_saves else NULL,
+        r0, n, dk, dv, a.q + (<long>r0 * a.Hk + kh) * dk, a.k + (<long>r0 * a.Hk + kh) * dk,
+        <long>a.Hk * dk, a.v + (<long>r0 * a.Hv + h) * dv, <long>a.Hv * dv,
+        a.g + <long>r0 * a.Hv + h, a.beta + <long>r0 * a.Hv + h, a.Hv, a.scale, a.l2norm,
+        a.out + (<long>r0 * a.Hv + h) * dv, scratch)
 
 
 def gated_delta_rule(float[:, :, :, ::1] state, const int32_t[::1] query_start,
@@ -116,11 +93,10 @@ def gated_delta_rule(float[:, :, :, ::1] state, const int32_t[::1] query_start,
     a.state, a.q, a.k, a.v = &state[0, 0, 0, 0], &q[0, 0, 0], &k[0, 0, 0], &v[0, 0, 0]
     a.g, a.beta, a.out = &g[0, 0], &beta[0, 0], &out[0, 0, 0]
     a.Hk, a.Hv, a.dk, a.dv = k.shape[1], v.shape[1], k.shape[2], v.shape[2]
-    a.blocks = (a.dv + PKV_DR_COLS - 1) // PKV_DR_COLS
     a.l2norm, a.scale = l2norm, scale
-    cdef Py_ssize_t num_items = <Py_ssize_t>slots.shape[0] * a.Hv * a.blocks, item
-    # per thread: the block, qn and kn, in whole cache lines
-    cdef Py_ssize_t per_thread = (a.dk * (PKV_DR_COLS + 2) + 15) // 16 * 16
+    cdef Py_ssize_t num_items = <Py_ssize_t>slots.shape[0] * a.Hv, item
+    # per thread, in whole cache lines
+    cdef Py_ssize_t per_thread = (pkv_dr_scratch(a.dk, a.dv) + 15) // 16 * 16
     cdef float[::1] scratch_view = aligned_empty(num_threads * per_thread)
     cdef float* scratch = &scratch_view[0]
     with nogil:
@@ -131,45 +107,29 @@ def gated_delta_rule(float[:, :, :, ::1] state, const int32_t[::1] query_start,
 cdef struct ConvArgs:
     float* state            # [num_slots, C, K - 1] (unread when K == 1)
     const float* x          # [T, C]
-    const float* weight     # [C, K]
+    const float* wt         # [K, C]: the weights transposed
     const float* bias       # [C] or NULL
     float* out              # [T, C]
-    int C, K, blocks, silu
+    int C, K, silu
 
 
-cdef void conv_item(const RaggedStep* step, const ConvArgs* a, Py_ssize_t item,
-                    float* scratch) noexcept nogil:
-    """One (sequence, block of PKV_CONV_COLS channels); ``scratch`` holds its
-    history [K - 1][cols] and transposed weights [K][cols]."""
-    cdef int block = item % a.blocks, b = item // a.blocks
-    cdef int r0 = step.query_start[b], n = step.query_start[b + 1] - r0
-    if n == 0:
+cdef void conv_states(const RaggedStep* step, const ConvArgs* a, int b) noexcept nogil:
+    """Sequence b's saves, then its own state, once every row has read the history."""
+    cdef int r0 = step.query_start[b], n = step.query_start[b + 1] - r0, m
+    if n == 0 or a.K == 1:
         return
-    cdef int C = a.C, K = a.K, c0 = block * PKV_CONV_COLS
-    cdef int cols = min(PKV_CONV_COLS, C - c0), c, j, t = 0, m, row
-    cdef float* hist = scratch
-    cdef float* wt = scratch + (K - 1) * cols
-    cdef long slot_floats = <long>C * (K - 1)
-    cdef float* own = a.state + step.slots[b] * slot_floats + <long>c0 * (K - 1) \
-        if K > 1 else NULL
-    cdef const float* x = a.x + <long>r0 * C + c0
-    cdef float* y = a.out + <long>r0 * C + c0
-    cdef const float* bias = a.bias + c0 if a.bias != NULL else NULL
-    for c in range(cols):
-        for j in range(K):
-            wt[j * cols + c] = a.weight[(<long>c0 + c) * K + j]
-        for j in range(K - 1):
-            hist[j * cols + c] = own[c * (K - 1) + j]
+    cdef long slot_floats = <long>a.C * (a.K - 1)
+    cdef float* own = a.state + step.slots[b] * slot_floats
+    cdef const float* x = a.x + <long>r0 * a.C
     for m in range(step.save_start[b], step.save_start[b + 1]):
-        row = step.save_rows[m] - r0
-        pkv_conv_block(x, C, wt, bias, hist, K, cols, t, row + 1, a.silu, y, C)
-        t = row + 1
-        if K > 1:
-            pkv_conv_state(x, C, hist, K, cols, t, a.state + step.save_slots[m] * slot_floats
-                           + <long>c0 * (K - 1))
-    pkv_conv_block(x, C, wt, bias, hist, K, cols, t, n, a.silu, y, C)
-    if K > 1:   # hist is a copy: writing the slot over it is safe
-        pkv_conv_state(x, C, hist, K, cols, n, own)
+        pkv_conv_state(x, own, a.C, a.K, step.save_rows[m] - r0 + 1,
+                       a.state + step.save_slots[m] * slot_floats)
+    pkv_conv_state(x, own, a.C, a.K, n, own)
+
+
+# Rows of a convolution work item: few enough that a prefill makes items for
+# every thread, enough that one item's rows amortise reading the weights.
+_CONV_ROWS_PER_ITEM = 16
 
 
 def causal_conv1d(float[:, :, ::1] state, const int32_t[::1] query_start,
@@ -182,19 +142,39 @@ def causal_conv1d(float[:, :, ::1] state, const int32_t[::1] query_start,
     ``state`` [num_slots, C, K-1] (any placeholder when K == 1: there is no
     history); the step's arrays as ``gated_delta_rule`` takes them; ``x``
     [T, C], ``weight`` [C, K], ``bias`` [C] or None, ``out`` [T, C] (written),
-    all float32; T > 0.  ``silu``: y / (1 + exp(-y)) on the result."""
+    all float32; T > 0.  ``silu``: y / (1 + exp(-y)) on the result.
+
+    Two passes: the rows, by runs of a sequence's rows with every channel
+    (rows are independent given the inputs), then each sequence's saves and
+    state (which the first pass's early rows read as history)."""
     cdef RaggedStep step = ragged_step(query_start, slots, save_start, save_rows, save_slots)
     cdef ConvArgs a
     a.C, a.K = x.shape[1], weight.shape[1]
     a.state = &state[0, 0, 0] if a.K > 1 else NULL
-    a.x, a.weight, a.out = &x[0, 0], &weight[0, 0], &out[0, 0]
+    wt_buf = np.ascontiguousarray(np.asarray(weight).T)
+    cdef const float[:, ::1] wt = wt_buf
+    a.x, a.wt, a.out = &x[0, 0], &wt[0, 0], &out[0, 0]
     a.bias = &bias[0] if bias is not None else NULL
-    a.blocks = (a.C + PKV_CONV_COLS - 1) // PKV_CONV_COLS
     a.silu = silu
-    cdef Py_ssize_t num_items = <Py_ssize_t>slots.shape[0] * a.blocks, item
-    cdef Py_ssize_t per_thread = ((2 * a.K - 1) * PKV_CONV_COLS + 15) // 16 * 16
-    cdef float[::1] scratch_view = aligned_empty(num_threads * per_thread)
-    cdef float* scratch = &scratch_view[0]
+    # work items: (sequence, first row, end row), runs of _CONV_ROWS_PER_ITEM rows
+    starts = np.asarray(query_start)
+    rows = np.diff(starts)
+    runs = -(-rows // _CONV_ROWS_PER_ITEM)
+    seq = np.repeat(np.arange(len(rows), dtype=np.int32), runs)
+    first = np.arange(len(seq)) - np.repeat(np.cumsum(runs) - runs, runs)
+    row0 = starts[seq] + first * _CONV_ROWS_PER_ITEM
+    items_buf = np.stack([seq, row0, np.minimum(row0 + _CONV_ROWS_PER_ITEM, starts[seq + 1])],
+                         axis=1).astype(np.int32)
+    cdef const int32_t[:, ::1] items = items_buf
+    cdef Py_ssize_t i, b, seq_b
+    cdef int r0
     with nogil:
-        for item in prange(num_items, schedule="static", num_threads=num_threads):
-            conv_item(&step, &a, item, scratch + threadid() * per_thread)
+        for i in prange(items.shape[0], schedule="static", num_threads=num_threads):
+            b = items[i, 0]
+            r0 = step.query_start[b]
+            pkv_conv_rows(a.x + <long>r0 * a.C,
+                          a.state + step.slots[b] * <long>a.C * (a.K - 1) if a.K > 1 else NULL,
+                          a.wt, a.bias, a.C, a.K, items[i, 1] - r0, items[i, 2] - r0, a.silu,
+                          a.out + <long>r0 * a.C)
+        for seq_b in prange(slots.shape[0], schedule="static", num_threads=num_threads):
+            conv_states(&step, &a, seq_b)

@@ -47,7 +47,8 @@ def fallback_kernels(tmp_path_factory):
     build = tmp_path_factory.mktemp("fallback")
     sources = files("pagedkv")
     shutil.copy(sources / "_kernels.pyx", build / "fallback_kernels.pyx")
-    for header in ("pkv_half.h", "pkv_simd.h", "pkv_block.h", "pkv_quant.h", "_kernels_rows.pxi"):
+    for header in ("pkv_half.h", "pkv_simd.h", "pkv_block.h", "pkv_quant.h", "pkv_recurrent.h",
+                   "_kernels_rows.pxi", "_kernels_recurrent.pxi"):
         shutil.copy(sources / header, build / header)
     for header in ("pkv_work_item.h", "pkv_storage.h", "pkv_tanh.h", "pkv_variant.h"):
         shutil.copy(files("pagedkv.opencl") / header, build / header)
@@ -92,3 +93,30 @@ def test_fallback_kernels_agree_with_the_vector_build(fallback_kernels, monkeypa
     for (k, v), (k_want, v_want) in zip(kv, expected_kv):
         np.testing.assert_array_equal(k, k_want)   # the same float16 / bfloat16 rounding
         np.testing.assert_array_equal(v, v_want)
+
+
+def run_recurrences():
+    """Outputs and states of both recurrences over a ragged step with saves (host)."""
+    from types import SimpleNamespace
+    rng = np.random.default_rng(2)
+    backend = pagedkv.PagedKVCache(1, 1, 8, num_pages=1, backend="host")._backend
+    store = backend.state_store([((70, 3), (4, 16, 40))], 6)
+    step = SimpleNamespace(query_start=np.array([0, 1, 31], np.int32),
+                           slots=np.array([0, 1], np.int32), save_rows=np.array([9], np.int32),
+                           save_slots=np.array([2], np.int32))
+    y = backend.causal_conv1d(store, 0, 0, step, rng.standard_normal((31, 70), dtype=np.float32),
+                              rng.standard_normal((70, 4), dtype=np.float32), None, True)
+    q, k = (rng.standard_normal((31, 2, 16), dtype=np.float32) for _ in "qk")
+    o = backend.gated_delta_rule(store, 0, 1, step, q, k,
+                                 rng.standard_normal((31, 4, 40), dtype=np.float32),
+                                 -rng.uniform(0, 1, (31, 4)).astype(np.float32),
+                                 rng.uniform(0, 1, (31, 4)).astype(np.float32), 0.25, True)
+    slots = np.arange(6, dtype=np.int32)
+    return [y, o, store.read(0, 0, slots), store.read(0, 1, slots)]
+
+
+def test_fallback_recurrences_agree_with_the_vector_build(fallback_kernels, monkeypatch):
+    expected = run_recurrences()
+    monkeypatch.setattr(host, "_kernels", fallback_kernels)
+    for got, want in zip(run_recurrences(), expected):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)

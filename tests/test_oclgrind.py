@@ -248,3 +248,57 @@ def test_device_check_kernels(grind):
                                       context=grind.context, layouts=[(16, 2, 16), (8, 8, 8)])
     assert set(product["layouts_tried"]) == {"16/2/16", "8/8/8"}
     grind.assert_clean()
+
+
+@pytest.mark.parametrize("form", ["cpu", "gpu"])
+def test_recurrences(grind, form, monkeypatch):
+    # both recurrences and the state store's slot moves, over a ragged step with
+    # saves: decode rows, a run shorter than the convolution's history, a
+    # prefill long enough for the delta rule's per-head form (cpu) and a
+    # sequence without rows; "gpu" forces one column or channel per work-item
+    import pyopencl as cl
+    from types import SimpleNamespace
+
+    import recurrent_reference as ref
+    from pagedkv.backends import _opencl_recurrent
+    if form == "gpu":
+        monkeypatch.setattr(_opencl_recurrent, "_CPU_VECTOR", 1)
+        monkeypatch.setattr(_opencl_recurrent, "_CPU_HEADS", False)
+    backend = pagedkv.PagedKVCache(1, 1, 8, num_pages=2, backend="opencl",
+                                   device=grind.context)._backend
+    conv_shape, delta_shape = (16, 2), (4, 8, 40)
+    store = backend.state_store([(conv_shape,), None, (delta_shape,)], 6)
+    for buffers in store.buffers:      # a whole-buffer write, which the checker records right
+        for buf in buffers or ():
+            cl.enqueue_copy(backend.queue, buf, np.zeros(buf.size, np.uint8))
+    rng = np.random.default_rng(4)
+    states = {1: rng.standard_normal((16, 2)).astype(np.float32)}
+    delta_states = {1: rng.standard_normal((4, 8, 40)).astype(np.float32) * 0.3}
+    store.write(0, 0, np.array([1], np.int32), states[1][None])
+    store.write(2, 0, np.array([1], np.int32), delta_states[1][None])
+    store.copy(np.array([1], np.int32), np.array([5], np.int32))
+    store.zero(np.array([5], np.int32))
+    step = SimpleNamespace(query_start=np.array([0, 1, 3, 3, 12], np.int32),
+                           slots=np.array([1, 0, -1, 2], np.int32),
+                           save_rows=np.array([1, 7], np.int32),
+                           save_slots=np.array([3, 4], np.int32))
+    x = rng.standard_normal((12, 16)).astype(np.float32)
+    w = rng.standard_normal((16, 3)).astype(np.float32)
+    y = backend.causal_conv1d(store, 0, 0, step, x, w, None, True)
+    y_ref, states = ref.conv_step(step, states, x, w, None, True, np.zeros(conv_shape))
+    np.testing.assert_allclose(y, y_ref, rtol=1e-4, atol=1e-4)
+    q, k = (rng.standard_normal((12, 2, 8)).astype(np.float32) for _ in "qk")
+    v = rng.standard_normal((12, 4, 40)).astype(np.float32)
+    g = -rng.uniform(0, 1, (12, 4)).astype(np.float32)
+    beta = rng.uniform(0, 1, (12, 4)).astype(np.float32)
+    o = backend.gated_delta_rule(store, 2, 0, step, q, k, v, g, beta, 0.35, True)
+    o_ref, delta_states = ref.delta_rule_step(step, delta_states, q, k, v, g, beta, 0.35, True,
+                                              np.zeros(delta_shape))
+    np.testing.assert_allclose(o, o_ref, rtol=1e-4, atol=1e-4)
+    slots = np.array(sorted(delta_states), np.int32)
+    np.testing.assert_allclose(store.read(0, 0, slots), np.stack([states[s] for s in slots]),
+                               rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(store.read(2, 0, slots),
+                               np.stack([delta_states[s] for s in slots]), rtol=1e-4,
+                               atol=1e-4)
+    grind.assert_clean()

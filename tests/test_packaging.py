@@ -16,10 +16,11 @@ def test_cython_sources_ship_with_the_package():
     for source in ("_allocator.pyx", "_allocator.pxd", "_pool.pyx", "_pool.pxd",
                    "_page_table.pyx", "_page_table.pxd", "_placement.pyx", "_prefix_chains.pyx",
                    "pkv_page_table.h", "pkv_page_table.pxd", "_kernels.pyx",
-                   "_kernels_rows.pxi", "_kernels_level.pxi", "_cpuid.pyx", "_cpuid.pyi", "_ints.pyx", "_ints.pyi",
+                   "_kernels_rows.pxi", "_kernels_recurrent.pxi", "_kernels_level.pxi", "_cpuid.pyx", "_cpuid.pyi", "_ints.pyx", "_ints.pyi",
                    "_rows.pyx", "_rows.pyi",
                    "pkv_half.h",
-                   "pkv_simd.h", "pkv_block.h", "pkv_quant.h", "pkv_hash.h", "pkv_cpuid.h",
+                   "pkv_simd.h", "pkv_block.h", "pkv_quant.h", "pkv_recurrent.h", "pkv_hash.h",
+                   "pkv_cpuid.h",
                    "py.typed"):
         assert source in names, source
 

@@ -14,6 +14,7 @@ import pytest
 
 import pagedkv
 import recurrent_reference as ref
+from opencl_devices import TEST_DEVICES
 
 NUM_SLOTS = 12
 
@@ -89,8 +90,9 @@ class Delta:
 
 @pytest.mark.parametrize("group", [1, 2, 4])
 @pytest.mark.parametrize("l2norm", [True, False])
-def test_delta_rule_ragged_step(backend, group, l2norm):
-    d = Delta(backend, Hk=2, Hv=2 * group, l2norm=l2norm)
+@pytest.mark.parametrize("dv", [40, 64])
+def test_delta_rule_ragged_step(backend, group, l2norm, dv):
+    d = Delta(backend, Hk=2, Hv=2 * group, dv=dv, l2norm=l2norm)
     d.seed_slots([3, 0, 5, 7])
     # decode rows, prefill chunks, a sequence without rows (slot -1) and one in a
     # slot of its own that has none this step
@@ -257,3 +259,58 @@ def test_state_store_too_large_names_num_state_slots(backend):
 def test_recurrent_kernels_ship_in_the_package():
     files = importlib.resources.files("pagedkv.opencl")
     assert "__kernel" in files.joinpath("recurrent.cl").read_text()
+
+
+# -- pyopencl arrays in, pyopencl arrays out (the opencl backend's own arrays) ---------------
+
+@pytest.mark.parametrize("device", TEST_DEVICES, ids=lambda d: d.id)
+def test_opencl_takes_and_gives_device_arrays(device):
+    import pyopencl.array as cl_array
+    b = pagedkv.PagedKVCache(1, 1, 8, num_pages=2, backend="opencl",
+                             device=device.device)._backend
+    rng = np.random.default_rng(11)
+    step = make_step([3, 1], [0, 1], saves=[(1, 2)])
+    conv = ((4, 2),)
+    delta = ((2, 8, 8),)
+    x = rng.normal(size=(4, 4)).astype(np.float32)
+    w = rng.normal(size=(4, 3)).astype(np.float32)
+    q, k = (rng.normal(size=(4, 1, 8)).astype(np.float32) for _ in "qk")
+    v = rng.normal(size=(4, 2, 8)).astype(np.float32)
+    g = -rng.uniform(0, 1, size=(4, 2)).astype(np.float32)
+    beta = rng.uniform(0, 1, size=(4, 2)).astype(np.float32)
+    outs = []
+    for native in (False, True):
+        store = b.state_store([conv, delta], 4)
+        put = (lambda a: cl_array.to_device(b.queue, a)) if native else (lambda a: a)
+        y = b.causal_conv1d(store, 0, 0, step, put(x), put(w), None, True)
+        o = b.gated_delta_rule(store, 1, 0, step, put(q), put(k), put(v), put(g), put(beta),
+                               0.3, True)
+        assert isinstance(y, cl_array.Array) == native and isinstance(o, cl_array.Array) == native
+        outs.append([np.asarray(y.get() if native else y), np.asarray(o.get() if native else o),
+                     store.read(0, 0, np.arange(4, dtype=np.int32)),
+                     store.read(1, 0, np.arange(4, dtype=np.int32))])
+    for a, c in zip(*outs):
+        np.testing.assert_array_equal(a, c)
+
+
+@pytest.mark.parametrize("device", TEST_DEVICES, ids=lambda d: d.id)
+def test_opencl_one_column_per_work_item(device, monkeypatch):
+    """The GPU layout (one state column or channel per work-item) on the test devices,
+    which are CPUs and otherwise take a head (the delta rule) or a vector of
+    channels per work-item."""
+    from pagedkv.backends import _opencl_recurrent
+    monkeypatch.setenv("PAGEDKV_DEVICE", device.index)
+    monkeypatch.setattr(_opencl_recurrent, "_CPU_VECTOR", 1)
+    monkeypatch.setattr(_opencl_recurrent, "_CPU_HEADS", False)
+    d = Delta("opencl", Hk=1, Hv=2, dk=12, dv=24, seed=13)
+    assert d.b._recurrent()._width(24) == 1
+    d.seed_slots([1])
+    step = make_step([5, 1], [1, 2], saves=[(2, 3)])
+    inputs = d.inputs(6)
+    close(d.run(step, inputs), d.expect(step, inputs))
+    d.check_states()
+    c = Conv("opencl", C=10, K=3, seed=13)
+    c.seed_slots([1])
+    x = c.rng.normal(size=(6, c.C)).astype(np.float32)
+    close(c.run(step, x), c.expect(step, x))
+    c.check_states()
