@@ -658,6 +658,7 @@ def delta_rule_decode_case(num_seqs, repeat, rng):
     sequence's state is read and written once (the bytes counted); checked on the
     first sequence against a float64 step from the state read before it."""
     import pagedkv
+    from _common import best_seconds
     shape = (DELTA_V_HEADS, DELTA_DIM, DELTA_DIM)
     cache = pagedkv.PagedKVCache(1, 1, 16, num_pages=num_seqs * (repeat + 4), page_size=16,
                                  backend="opencl", num_state_slots=num_seqs,
@@ -673,12 +674,7 @@ def delta_rule_decode_case(num_seqs, repeat, rng):
         batch = cache.append(seqs, 1)
         return cache.gated_delta_rule(0, batch, qk[0], qk[1], v, g, beta, qk_l2norm=True,
                                       state=0)
-    step()
-    wall = float("inf")
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        step()
-        wall = min(wall, time.perf_counter() - t0)
+    wall = best_seconds(step, repeat=repeat, warmup=1)
     (before,) = cache.read_state(0, seqs[0])
     out = step()
     S, ref = before.astype(np.float64), np.empty((DELTA_V_HEADS, DELTA_DIM))

@@ -35,8 +35,27 @@ def layer_spec(layer_states: Sequence[Optional[StateSpec]], layer: int) -> State
     return spec
 
 
-def _index(spec: StateSpec, layer: int, state: Any) -> int:
-    return check_int("state", state, minimum=0, maximum=spec.num_arrays - 1)
+def _state_array(pool: "StatePool", layer: int, state: Any, call: str,
+                 dims: str) -> Tuple[int, Tuple[int, ...]]:
+    """The index and shape of the layer's state array ``state``, which ``call``
+    keeps as ``dims`` (ValueError naming ``state`` for another rank)."""
+    spec = layer_spec(pool.spec.layer_states, layer)
+    index = check_int("state", state, minimum=0, maximum=spec.num_arrays - 1)
+    shape = spec.shapes[index]
+    if len(shape) != dims.count(",") + 1:
+        raise ValueError(f"state: {call} keeps state {index} of layer {layer} as {dims}; its "
+                         f"shape is {list(shape)}")
+    return index, shape
+
+
+def _advance(step: "StateStep", layer: int, index: int, call: str, run: Any,
+             torch_in: bool) -> Any:
+    """Run a built-in recurrence ``run()`` on state array ``index`` of ``layer``, once
+    per step; its output as a torch tensor when the input was one."""
+    check_unadvanced(step, layer, index, call)
+    out = run()
+    step.by_kernel.add((layer, index))
+    return _as_output(out, torch_in)
 
 
 def _as_kernel_input(name: str, x: Any, shape: Tuple[Optional[int], ...], backend: "Backend"):
@@ -81,12 +100,7 @@ def check_unadvanced(step: "StateStep", layer: int, index: int, what: str) -> No
 def causal_conv1d(backend: "Backend", pool: "StatePool", layer: int, batch: "StepBatch",
                   x: Any, weight: Any, bias: Any, activation: Optional[str], state: Any) -> Any:
     """``PagedKVCache.causal_conv1d`` after the layer and batch checks."""
-    spec = layer_spec(pool.spec.layer_states, layer)
-    index = _index(spec, layer, state)
-    shape = spec.shapes[index]
-    if len(shape) != 2:
-        raise ValueError(f"state: causal_conv1d keeps state {index} of layer {layer} as "
-                         f"[channels, kernel - 1]; its shape is {list(shape)}")
+    index, shape = _state_array(pool, layer, state, "causal_conv1d", "[channels, kernel - 1]")
     channels, kernel = shape[0], shape[1] + 1
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation: expected None or 'silu', got {activation!r}"[:200])
@@ -97,23 +111,16 @@ def causal_conv1d(backend: "Backend", pool: "StatePool", layer: int, batch: "Ste
                                   np.float32)
     if bias is not None:
         bias = np.ascontiguousarray(check_tensor("bias", bias, (channels,)), np.float32)
-    check_unadvanced(step, layer, index, "causal_conv1d")
-    y = backend.causal_conv1d(pool.store, layer, index, step, x, weight, bias,
-                              activation == "silu")
-    step.by_kernel.add((layer, index))
-    return _as_output(y, torch_in)
+    return _advance(step, layer, index, "causal_conv1d", lambda: backend.causal_conv1d(
+        pool.store, layer, index, step, x, weight, bias, activation == "silu"), torch_in)
 
 
 def gated_delta_rule(backend: "Backend", pool: "StatePool", layer: int, batch: "StepBatch",
                      q: Any, k: Any, v: Any, g: Any, beta: Any, scale: Any, qk_l2norm: Any,
                      state: Any) -> Any:
     """``PagedKVCache.gated_delta_rule`` after the layer and batch checks."""
-    spec = layer_spec(pool.spec.layer_states, layer)
-    index = _index(spec, layer, state)
-    shape = spec.shapes[index]
-    if len(shape) != 3:
-        raise ValueError(f"state: gated_delta_rule keeps state {index} of layer {layer} as "
-                         f"[num_v_heads, k_dim, v_dim]; its shape is {list(shape)}")
+    index, shape = _state_array(pool, layer, state, "gated_delta_rule",
+                                "[num_v_heads, k_dim, v_dim]")
     num_v_heads, k_dim, v_dim = shape
     if not isinstance(qk_l2norm, (bool, np.bool_)):
         raise ArgumentTypeError(f"qk_l2norm: expected a bool, got {qk_l2norm!r}"[:200])
@@ -130,11 +137,8 @@ def gated_delta_rule(backend: "Backend", pool: "StatePool", layer: int, batch: "
     v = _as_kernel_input("v", v, (total, num_v_heads, v_dim), backend)
     g = _as_kernel_input("g", g, (total, num_v_heads), backend)
     beta = _as_kernel_input("beta", beta, (total, num_v_heads), backend)
-    check_unadvanced(step, layer, index, "gated_delta_rule")
-    o = backend.gated_delta_rule(pool.store, layer, index, step, q, k, v, g, beta, scale,
-                                 bool(qk_l2norm))
-    step.by_kernel.add((layer, index))
-    return _as_output(o, torch_in)
+    return _advance(step, layer, index, "gated_delta_rule", lambda: backend.gated_delta_rule(
+        pool.store, layer, index, step, q, k, v, g, beta, scale, bool(qk_l2norm)), torch_in)
 
 
 def read_states(pool: "StatePool", layer: int, batch: "StepBatch") -> Tuple[np.ndarray, ...]:
