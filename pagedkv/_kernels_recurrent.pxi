@@ -5,7 +5,8 @@
 # (pagedkv/backends/state_store.py), copying it into save slots after the
 # save rows.  The inner loops are C (pkv_recurrent.h, which says why they
 # are cut as they are); here are the work items, one per (sequence, v-head)
-# or (sequence, block of channels), spread by OpenMP.
+# for the delta rule, and for the convolution one per run of a sequence's rows
+# (then one per sequence for its states), spread by OpenMP.
 
 cdef extern from "pkv_recurrent.h" nogil:
     long pkv_dr_scratch(int dk, int dv)

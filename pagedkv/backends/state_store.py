@@ -183,7 +183,7 @@ class OpenCLStateStore:
         kernels = build_program(context, "recurrent.cl", ())
         self._k_copy, self._k_zero = kernels["state_copy"], kernels["state_zero"]
         self._k_read, self._k_write = kernels["state_read"], kernels["state_write"]
-        self._wg = 64
+        self._wg = min(64, device.max_work_group_size)   # items per work-group of the moves
         try:
             self.buffers: "List[Optional[List[pyopencl.Buffer]]]" = []
             for arrays in self.shapes:
