@@ -13,9 +13,6 @@ C, K = 6, 4                         # conv channels and kernel
 HK, HV, DK, DV = 2, 4, 8, 8         # delta rule: k-heads, v-heads (GQA 2), widths
 NUM_KV_HEADS, HEAD_DIM = 2, 8
 TOL = dict(rtol=2e-4, atol=2e-4)
-# the state pool's logic is Python above the kernels, which test_recurrent_kernels.py
-# runs on every OpenCL device: here the primary device stands for them
-pytestmark = pytest.mark.one_opencl_device
 SPEC = pagedkv.StateSpec([(C, K - 1), (HV, DK, DV)])
 
 
