@@ -438,7 +438,10 @@ class StatePool:
                             snapshots.append((end, digest))
             seqs.append(_SeqPlan(int(query_start[b]), old, new, in_place, inside,
                                  tuple(snapshots), digests))
-        free = self.num_free
+        # free slots first: counting the unused snapshots walks all of them
+        free = self.allocator.num_free
+        if need > free + releasable:
+            free = self.num_free
         if need > free + releasable:
             raise OutOfPagesError(
                 f"num_state_slots: the step needs {need} slots of the state pool (the "
